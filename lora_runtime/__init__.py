@@ -1,1 +1,15 @@
+"""lora_runtime: the engine. Pure torch; importable and testable without ComfyUI.
 
+Public API: load_adapter, match_adapter, AdapterSpec, plan, applied, LoraInjector,
+LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors.
+"""
+from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, applied, plan
+from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
+                     MergeRefusedError, NonFiniteMergeError, RestoreError)
+from .policy import DecisionCache, MergeDecision, decide, measure_share_lost
+from .runtime_context import RuntimeContext, current_context, runtime_context
+from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, Tier, parse_merge_mode, parse_tier
+from .wrapper import LoraLinear, mergeable
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,222 @@
+"""Putting adapters on a model and taking them off again, exactly.
+
+    p = plan(model, [AdapterSpec("style.safetensors", 0.8)], mode="auto", tier="lossless")
+    with applied(model, p, cache=decision_cache) as report:
+        ...  # run the model; wrappers read the tier from the runtime context
+    # here every wrapper is gone and every merged weight is restored bit for bit,
+    # also when the body raised or was interrupted
+
+`plan` loads and matches the adapters (coverage reports; zero matches raises) and
+touches nothing. `LoraInjector.apply` moves a model from whatever adapter state it
+is in to the planned one (hot switching): merged weights are restored first, layers
+are wrapped/unwrapped, slots synced in plan order, the merge decision taken (and
+cached), and the merge done. A failure part-way leaves no weight modified.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .errors import LoraRuntimeError, NonFiniteMergeError
+from .policy import DecisionCache, MergeDecision, decide
+from .runtime_context import runtime_context
+from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
+from .wrapper import LoraLinear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a user asked for: a file, a strength, optionally a display name."""
+
+    path: str
+    strength: float = 1.0
+    name: str | None = None
+    enabled: bool = True
+
+
+@dataclass
+class PlannedAdapter:
+    name: str
+    spec: AdapterSpec
+    adapter: LoraAdapter
+    layers: dict[str, LayerAdapter]   # model module name -> weights
+    coverage: CoverageReport
+
+
+@dataclass
+class Plan:
+    mode: MergeMode
+    tier: Tier
+    adapters: list[PlannedAdapter]
+
+    def modules(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for pa in self.adapters:
+            for m in pa.layers:
+                seen.setdefault(m)
+        return list(seen)
+
+
+def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_adapter) -> Plan:
+    """Load and match every adapter; validate settings. Touches nothing on the model."""
+    mode, tier = parse_merge_mode(mode), parse_tier(tier)
+    planned: list[PlannedAdapter] = []
+    used: set[str] = set()
+    for spec in specs:
+        check_strength(spec.strength, what=f"strength of {os.path.basename(spec.path)}")
+        adapter = loader(spec.path)
+        name = spec.name or adapter.name
+        base, k = name, 2
+        while name in used:
+            name, k = f"{base}#{k}", k + 1
+        used.add(name)
+        layers, coverage = match_adapter(adapter, model)
+        planned.append(PlannedAdapter(name, spec, adapter, layers, coverage))
+    return Plan(mode, tier, planned)
+
+
+@dataclass
+class ApplyReport:
+    tier: str
+    decision: MergeDecision | None
+    coverage: list[CoverageReport]
+    adapters: list[dict]
+    layers_wrapped: int = 0
+    restore_bytes: int = 0
+    merged_weight_bytes: int = 0
+    patch_seconds: float = 0.0
+    fusions: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "tier": self.tier,
+            "decision": self.decision.to_dict() if self.decision else None,
+            "coverage": [c.to_dict() for c in self.coverage],
+            "adapters": self.adapters,
+            "layers_wrapped": self.layers_wrapped,
+            "restore_bytes": self.restore_bytes,
+            "merged_weight_bytes": self.merged_weight_bytes,
+            "patch_seconds": round(self.patch_seconds, 4),
+            "fusions": self.fusions,
+        }
+
+
+class LoraInjector:
+    """Owns the LoRA state of one model: which layers are wrapped, what is merged."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.wrappers: dict[str, LoraLinear] = {}
+
+    # -- wrapping ------------------------------------------------------------------
+    def _set_module(self, name: str, module: nn.Module) -> None:
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        setattr(parent, child, module)
+
+    def _wrap(self, name: str) -> LoraLinear:
+        mod = self.model.get_submodule(name)
+        if getattr(mod, "is_lora_wrapper", False):
+            raise LoraRuntimeError(f"layer {name!r} is already wrapped by another LoRA runtime; remove it first")
+        w = LoraLinear(mod, name)
+        self._set_module(name, w)
+        self.wrappers[name] = w
+        return w
+
+    def _unwrap(self, name: str) -> None:
+        w = self.wrappers.pop(name)
+        w.unmerge()
+        self._set_module(name, w.base_layer)
+
+    def unmerge_all(self) -> None:
+        errors = []
+        for w in self.wrappers.values():
+            try:
+                w.unmerge()
+            except Exception as e:  # keep restoring the others
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def clear(self) -> None:
+        """Restore every merged weight and remove every wrapper."""
+        self.unmerge_all()
+        for name in list(self.wrappers):
+            self._unwrap(name)
+
+    # -- state transition --------------------------------------------------------------
+    def apply(self, p: Plan, cache: DecisionCache | None = None) -> ApplyReport:
+        t0 = time.perf_counter()
+        self.unmerge_all()
+        wanted: dict[str, list[tuple[PlannedAdapter, LayerAdapter]]] = {}
+        for pa in p.adapters:
+            for module_name, la in pa.layers.items():
+                wanted.setdefault(module_name, []).append((pa, la))
+        for name in [n for n in self.wrappers if n not in wanted]:
+            self._unwrap(name)
+        for name, entries in wanted.items():
+            w = self.wrappers.get(name) or self._wrap(name)
+            old = dict(w.slots)
+            w.slots.clear()
+            w._stack_cache.clear()
+            for pa, la in entries:
+                slot = old.get(pa.name)
+                if slot is not None and slot.layer is la:
+                    slot.strength, slot.enabled = float(pa.spec.strength), bool(pa.spec.enabled)
+                    w.slots[pa.name] = slot
+                else:
+                    w.add_adapter(pa.name, la, pa.spec.strength, pa.spec.enabled, content_hash=pa.adapter.content_hash)
+        wrappers = [self.wrappers[n] for n in wanted]
+        decision = decide(p.mode, wrappers, cache) if wrappers else None
+        if decision is not None and decision.chosen == "merge":
+            self._merge_all(wrappers, wanted)
+        report = ApplyReport(
+            tier=p.tier.value,
+            decision=decision,
+            coverage=[pa.coverage for pa in p.adapters],
+            adapters=[{"name": pa.name, "path": pa.spec.path, "strength": pa.spec.strength,
+                       "enabled": pa.spec.enabled, "format": pa.adapter.format,
+                       "layers": len(pa.layers)} for pa in p.adapters],
+            layers_wrapped=len(self.wrappers),
+            restore_bytes=sum(w.restore_bytes for w in self.wrappers.values()),
+            merged_weight_bytes=sum(w.weight.numel() * w.weight.element_size()
+                                    for w in self.wrappers.values() if w.merged),
+            patch_seconds=time.perf_counter() - t0,
+        )
+        return report
+
+    def _merge_all(self, wrappers: list[LoraLinear], wanted) -> None:
+        done = []
+        try:
+            for w in wrappers:
+                w.merge()
+                done.append(w)
+        except NonFiniteMergeError as e:
+            for d in done:
+                d.unmerge()
+            names = ", ".join(pa.name for pa, _ in wanted[w.layer_name])
+            raise NonFiniteMergeError(f"adapter(s) {names}: {e}") from None
+        except BaseException:
+            for d in done:
+                d.unmerge()
+            raise
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injector: LoraInjector | None = None):
+    """Apply `p` for the duration of the block, under its tier; always undo on exit."""
+    inj = injector or LoraInjector(model)
+    try:
+        report = inj.apply(p, cache)
+        with runtime_context(tier=p.tier):
+            yield report
+    finally:
+        inj.clear()

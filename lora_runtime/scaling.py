@@ -1,0 +1,45 @@
+"""The one place where a LoRA delta's scale factors are applied (contracts.md s.3).
+
+    delta = ((x @ A^T) @ B^T) * (alpha / rank) * strength * runtime_scale
+
+- A factor equal to 1.0 is never multiplied, in any tier.
+- ``exact`` and calls with no runtime context: the non-unit factors are applied one
+  after the other, in the order above (this *is* the reference path).
+- ``lossless`` / ``high``: the product is applied once, or handed to the caller to
+  fold into a GEMM's alpha; nothing at all when the product is 1.0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .runtime_context import RuntimeContext
+from .settings import Tier
+
+
+def folds_scales(ctx: RuntimeContext | None) -> bool:
+    """May this call fold the factors into one product? Only inside a non-exact context."""
+    return ctx is not None and ctx.tier is not Tier.EXACT
+
+
+def nonunit(*factors: float) -> list[float]:
+    return [float(f) for f in factors if float(f) != 1.0]
+
+
+def combined_factor(*factors: float) -> float:
+    """Product of the factors (1.0 when all are unit); python floats, so fp64 math."""
+    return math.prod(nonunit(*factors)) if nonunit(*factors) else 1.0
+
+
+def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: RuntimeContext | None) -> torch.Tensor:
+    """Apply `factors` (ordered: alpha/rank, strength, runtime scale) to `delta` per the tier.
+
+    Returns a new tensor or `delta` itself when every factor is unit.
+    """
+    if folds_scales(ctx):
+        s = combined_factor(*factors)
+        return delta if s == 1.0 else delta * s
+    for f in nonunit(*factors):
+        delta = delta * f
+    return delta

@@ -1,0 +1,90 @@
+"""Merge modes, quality tiers and the limits on user settings.
+
+Each tier is named after what it guarantees (contracts.md section 1):
+
+- ``exact``: bit-identical to the reference path (eager, unfused, scale factors
+  multiplied one after the other in their original order);
+- ``lossless`` (default): no measurable loss against an fp64 ground truth; may fold
+  scales, fuse epilogues that accumulate in fp32, reorder sums;
+- ``high``: close (end to end PSNR >= 30 dB vs exact); may approximate.
+
+Merge modes (contracts.md section 2): ``auto`` (default) measures the share of the
+update a merge would round away and keeps the adapters dynamic above
+``AUTO_MERGE_MAX_ROUNDING_LOSS``; ``merge`` folds them into the weights;
+``dynamic`` never touches the weights.
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+from .errors import ConfigError
+
+#: Above this share of the update lost to rounding, ``auto`` keeps adapters dynamic.
+#: Distilled adapters lose 75-97 % in a bf16 merge, style adapters 14-31 %.
+AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
+
+STRENGTH_MIN, STRENGTH_MAX = -10.0, 10.0
+
+
+class Tier(str, enum.Enum):
+    EXACT = "exact"
+    LOSSLESS = "lossless"
+    HIGH = "high"
+
+    @property
+    def rank(self) -> int:
+        return _TIER_ORDER[self]
+
+    def admits(self, minimum: "Tier") -> bool:
+        """True when a fusion registered with lowest tier `minimum` may run at this tier."""
+        return self.rank >= minimum.rank
+
+
+_TIER_ORDER = {Tier.EXACT: 0, Tier.LOSSLESS: 1, Tier.HIGH: 2}
+DEFAULT_TIER = Tier.LOSSLESS
+
+
+class MergeMode(str, enum.Enum):
+    AUTO = "auto"
+    MERGE = "merge"
+    DYNAMIC = "dynamic"
+
+
+DEFAULT_MERGE_MODE = MergeMode.AUTO
+
+
+def parse_tier(value) -> Tier:
+    if isinstance(value, Tier):
+        return value
+    try:
+        return Tier(str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(
+            f"unknown quality tier {value!r}: use one of "
+            f"{', '.join(t.value for t in Tier)} (default {DEFAULT_TIER.value})"
+        ) from None
+
+
+def parse_merge_mode(value) -> MergeMode:
+    if isinstance(value, MergeMode):
+        return value
+    try:
+        return MergeMode(str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(
+            f"unknown merge mode {value!r}: use one of "
+            f"{', '.join(m.value for m in MergeMode)} (default {DEFAULT_MERGE_MODE.value})"
+        ) from None
+
+
+def check_strength(value, *, what: str = "strength") -> float:
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} {value!r} is not a number") from None
+    if not math.isfinite(s) or not (STRENGTH_MIN <= s <= STRENGTH_MAX):
+        raise ConfigError(
+            f"{what} {value!r} is out of range: use a value in [{STRENGTH_MIN}, {STRENGTH_MAX}]"
+        )
+    return s

@@ -1,0 +1,301 @@
+"""LoraLinear: a Linear (or ComfyUI cast Linear) that carries N adapters.
+
+Contract
+- ``base_layer`` is the wrapped module; ``get_base_layer()`` follows ``.base_layer``
+  down, so guards always judge the real layer. ``weight``, ``bias`` and every other
+  attribute not defined here read through to the wrapped layer.
+- Adapters live in ``self.slots`` (ordered by name of insertion); each has its own
+  strength and enabled flag. Slot state changes only through the methods below.
+- Dynamic path (adapter not merged): ``y = base(x) + delta`` for every enabled slot
+  with non-zero strength, with the factors applied by `scaling` per the runtime
+  context's tier. In ``lossless``/``high``, plain LoRA slots share one stacked pair of
+  GEMMs and the delta is accumulated in place with the scale as the GEMM's alpha
+  (``addmm_``): no extra allocation of the output and no ``aten.mul`` for a uniform
+  scale. ``exact`` runs the reference path: per slot, ``((x A^T) B^T)`` then each
+  non-unit factor in order, then ``y = y + delta``.
+- ``diff_b`` is an output offset: added at run time even when the weight is merged.
+- A runtime scale of 0.0 returns the base output. Merged updates ignore the runtime
+  scale (they are in the weight).
+- ``lora_active`` says whether this call adds anything to ``base(x)`` right now.
+- Merging: ``merge()`` folds every enabled slot's weight delta into the base weight
+  (see `merge`) and ``unmerge()`` restores it bit for bit.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .adapter import LayerAdapter
+from .errors import MergeRefusedError
+from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
+from .runtime_context import current_context
+from .scaling import folds_scales, scale_delta
+
+_FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class AdapterSlot:
+    name: str
+    layer: LayerAdapter
+    strength: float = 1.0
+    enabled: bool = True
+    merged: bool = False
+    content_hash: str = ""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def contributes(self) -> bool:
+        return self.enabled and self.strength != 0.0
+
+    @property
+    def is_plain_lora(self) -> bool:
+        la = self.layer
+        return la.has_lowrank and la.dora_scale is None and la.diff is None
+
+    def tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("ab", device, dtype)
+        if key not in self._cache:
+            self._cache[key] = (self.layer.down.to(device, dtype), self.layer.up.to(device, dtype))
+        return self._cache[key]
+
+
+def mergeable(layer: nn.Module) -> tuple[bool, str]:
+    """Can a merge write into this layer's weight? Judged on the wrapped layer."""
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    w = getattr(base, "weight", None)
+    if w is None:
+        return False, "layer has no weight"
+    if type(w) not in (torch.Tensor, nn.Parameter):
+        return False, f"weight is a {type(w).__name__} (quantized/packed)"
+    if w.dtype not in _FLOAT_WEIGHTS:
+        return False, f"weight dtype {w.dtype} has no defined merge rounding (fp8/int)"
+    if getattr(base, "weight_function", None):
+        return False, "weight has weight-function patches"
+    for attr in ("scale_weight", "weight_scale", "quant_state", "qweight"):
+        if getattr(base, attr, None) is not None:
+            return False, f"weight is scaled/quantized ({attr})"
+    if w.is_meta:
+        return False, "weight is on the meta device (offloaded)"
+    return True, ""
+
+
+class LoraLinear(nn.Module):
+    is_lora_wrapper = True
+
+    def __init__(self, base_layer: nn.Module, name: str = ""):
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_name = name
+        self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
+        self._restore: RestoreRecord | None = None
+        self._merged_names: tuple[str, ...] = ()
+        self._stack_cache: dict = {}
+
+    # --- read-through to the wrapped layer -----------------------------------------
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self._modules.get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+    def get_base_layer(self) -> nn.Module:
+        layer = self.base_layer
+        while hasattr(layer, "base_layer"):
+            layer = layer.base_layer
+        return layer
+
+    # --- slot state ---------------------------------------------------------------
+    def add_adapter(self, name: str, layer: LayerAdapter, strength: float = 1.0, enabled: bool = True,
+                    content_hash: str = "") -> None:
+        if name in self.slots:
+            raise ValueError(f"{self.layer_name}: adapter {name!r} is already attached")
+        self._require_unmerged("add an adapter")
+        self.slots[name] = AdapterSlot(name, layer, float(strength), enabled, content_hash=content_hash)
+        self._stack_cache.clear()
+
+    def remove_adapter(self, name: str) -> None:
+        self._require_unmerged("remove an adapter")
+        del self.slots[name]
+        self._stack_cache.clear()
+
+    def set_strength(self, name: str, strength: float) -> None:
+        self._require_unmerged("change a strength")
+        self.slots[name].strength = float(strength)
+        self._stack_cache.clear()
+
+    def set_enabled(self, name: str, enabled: bool) -> None:
+        self._require_unmerged("enable/disable an adapter")
+        self.slots[name].enabled = bool(enabled)
+        self._stack_cache.clear()
+
+    def _require_unmerged(self, what: str) -> None:
+        if self.merged:
+            raise RuntimeError(f"{self.layer_name}: unmerge before you {what}")
+
+    @property
+    def merged(self) -> bool:
+        return self._restore is not None
+
+    @property
+    def has_output_offset(self) -> bool:
+        return any(s.contributes and s.layer.diff_b is not None for s in self.slots.values())
+
+    @property
+    def lora_active(self) -> bool:
+        """Does this call add output to the wrapped layer's output right now?"""
+        ctx = current_context()
+        if ctx is not None and ctx.scale == 0.0:
+            return False
+        return any(s.contributes and (not s.merged or s.layer.diff_b is not None) for s in self.slots.values())
+
+    # --- weight-space delta (merge, loss estimate, reference) ------------------------
+    def _weight_slots(self) -> list[AdapterSlot]:
+        return [s for s in self.slots.values() if s.contributes and (s.layer.has_lowrank or s.layer.diff is not None)]
+
+    @torch.no_grad()
+    def delta_rows(self, rows, slots: list[AdapterSlot] | None = None) -> torch.Tensor:
+        """fp32 weight delta of `slots` (default: every contributing slot) for `rows`."""
+        w = self.weight
+        out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
+        for s in self._weight_slots() if slots is None else slots:
+            la = s.layer
+            if la.dora_scale is not None:
+                out += self._dora_delta(s)[rows]
+                continue
+            if la.has_lowrank:
+                b = la.up.to(w.device)[rows].float()
+                out += (b @ la.down.to(w.device).float()) * (la.alpha_over_rank * s.strength)
+            if la.diff is not None:
+                out += la.diff.to(w.device)[rows].float() * s.strength
+        return out
+
+    @torch.no_grad()
+    def _dora_delta(self, s: AdapterSlot) -> torch.Tensor:
+        """Full fp32 delta of a DoRA slot: strength * (m * Wc / ||Wc|| - W), Wc = W + (a/r) B A."""
+        key = ("dora", s.strength)
+        if key not in s._cache:
+            la = s.layer
+            w = self.weight.detach().float()
+            wc = w + (la.up.float() @ la.down.float()).to(w.device) * la.alpha_over_rank
+            if la.diff is not None:
+                wc = wc + la.diff.to(w.device).float()
+            m = la.dora_scale.to(w.device).float()
+            if m.dim() == 2 and m.shape[0] == 1 and m.shape[1] == w.shape[1]:  # [1, in]: column norms
+                wd = wc * (m / wc.norm(dim=0, keepdim=True))
+            else:  # [out] or [out, 1]: row norms (PEFT, LyCORIS wd_on_out)
+                wd = wc * (m.reshape(-1, 1) / wc.norm(dim=1, keepdim=True))
+            s._cache[key] = (wd - w) * s.strength
+        return s._cache[key]
+
+    def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
+        return rounding_loss_sums(self.weight, self.delta_rows, max_rows=max_rows)
+
+    # --- merge / restore -------------------------------------------------------------
+    def merge(self) -> None:
+        ok, why = mergeable(self)
+        if not ok:
+            raise MergeRefusedError(f"{self.layer_name}: cannot merge ({why}); use merge mode 'dynamic'")
+        if self.merged:
+            return
+        slots = self._weight_slots()
+        self._restore = merge_weight(self.weight, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        for s in slots:
+            s.merged = True
+        self._merged_names = tuple(s.name for s in slots)
+        self._stack_cache.clear()
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        slots = [self.slots[n] for n in self._merged_names]
+        restore_weight(self.weight, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        for s in slots:
+            s.merged = False
+        self._restore = None
+        self._merged_names = ()
+        self._stack_cache.clear()
+
+    @property
+    def restore_bytes(self) -> int:
+        return self._restore.nbytes if self._restore is not None else 0
+
+    # --- forward ---------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base_layer(x, *args, **kwargs)
+        ctx = current_context()
+        rs = ctx.scale if ctx is not None else 1.0
+        if rs == 0.0:
+            return y
+        dyn = [s for s in self._weight_slots() if not s.merged]
+        if folds_scales(ctx):
+            plain = [s for s in dyn if s.is_plain_lora]
+            if plain:
+                y = self._stacked_delta(x, y, plain, rs)
+            dyn = [s for s in dyn if not s.is_plain_lora]
+        for s in dyn:
+            y = y + self._slot_delta(x, s, rs, ctx)
+        for s in self.slots.values():
+            if s.contributes and s.layer.diff_b is not None:
+                off = s.layer.diff_b.to(y.device, y.dtype)
+                y = y + scale_delta(off, (s.strength, rs), ctx)
+        return y
+
+    def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx) -> torch.Tensor:
+        la = s.layer
+        if la.dora_scale is not None:
+            d = F.linear(x, self._dora_delta(s).to(x.dtype))  # strength is inside the DoRA delta
+            return scale_delta(d, (rs,), ctx)
+        delta = None
+        if la.has_lowrank:
+            a, b = s.tensors(x.device, x.dtype)
+            delta = scale_delta(F.linear(F.linear(x, a), b), (la.alpha_over_rank, s.strength, rs), ctx)
+        if la.diff is not None:
+            dd = scale_delta(F.linear(x, la.diff.to(x.device, x.dtype)), (s.strength, rs), ctx)
+            delta = dd if delta is None else delta + dd
+        return delta
+
+    def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
+        """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
+        key = (x.device, x.dtype, tuple(s.name for s in slots))
+        st = self._stack_cache.get(key)
+        if st is None:
+            ab = [s.tensors(x.device, x.dtype) for s in slots]
+            factors = [s.layer.alpha_over_rank * s.strength for s in slots]
+            a = ab[0][0] if len(ab) == 1 else torch.cat([p[0] for p in ab], 0)
+            b = ab[0][1] if len(ab) == 1 else torch.cat([p[1] for p in ab], 1)
+            uniform = all(f == factors[0] for f in factors)
+            vec = None if uniform else torch.cat(
+                [torch.full((s.layer.rank,), f, dtype=torch.float32) for s, f in zip(slots, factors)]).to(x.device, x.dtype)
+            st = self._stack_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
+        a, bt, factor, vec = st
+        h = F.linear(x, a)
+        if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
+            h = h * vec
+            alpha = rs
+        else:
+            alpha = factor * rs
+        if not y.is_contiguous():
+            y = y.contiguous()
+        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: " + ", ".join(
+            f"{s.name}(s={s.strength}{', merged' if s.merged else ''}{'' if s.enabled else ', off'})"
+            for s in self.slots.values())

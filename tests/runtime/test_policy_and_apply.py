@@ -1,0 +1,201 @@
+"""Merge modes, the auto rule and its cache, applied() and the state-transition matrix."""
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfyui_lora_runtime.lora_runtime import (AUTO_MERGE_MAX_ROUNDING_LOSS, AdapterSpec, ConfigError, DecisionCache,
+                                               LoraInjector, MergeRefusedError, NonFiniteMergeError, applied, plan)
+
+from _fixtures import TinyWanLike, make_adapter_tensors, write_kohya, write_peft
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(model, snap):
+    sd = model.state_dict()
+    assert sd.keys() == snap.keys()
+    for k, v in snap.items():
+        assert torch.equal(sd[k], v), k
+
+
+@pytest.fixture
+def files(tmp_path):
+    ref = TinyWanLike(dtype=torch.bfloat16)
+    return {
+        # |dW| ~ 3-10 % of |W|: most of it survives a bf16 merge
+        "style": write_kohya(tmp_path / "style.safetensors", make_adapter_tensors(ref, r=4, seed=1, scale=0.25), alpha=4.0),
+        # far below a bf16 ulp: a merge rounds nearly all of it away
+        "distilled": write_peft(tmp_path / "distilled.safetensors", make_adapter_tensors(ref, r=4, seed=2, scale=0.004),
+                                alpha=4.0),
+        "second": write_kohya(tmp_path / "second.safetensors", make_adapter_tensors(ref, r=2, seed=3, scale=0.25)),
+        "partial": write_kohya(tmp_path / "partial.safetensors",
+                               make_adapter_tensors(ref, r=2, seed=4, scale=0.25, only=["ffn"])),
+        "offset": _offset_file(tmp_path / "offset.safetensors", ref),
+    }
+
+
+def _offset_file(path, model):
+    g = torch.Generator().manual_seed(7)
+    sd = {f"diffusion_model.{n}.diff_b": torch.randn(model.get_submodule(n).out_features, generator=g) * 0.1
+          for n in ("blocks.0.ffn.2", "blocks.1.self_attn.o")}
+    save_file(sd, str(path))
+    return path
+
+
+def _run(model, specs, mode, tier="exact", cache=None, x=None):
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) if x is None else x
+    with torch.no_grad(), applied(model, plan(model, specs, mode, tier), cache) as report:
+        return model(x), report
+
+
+def test_auto_keeps_sub_ulp_dynamic_and_merges_style(files):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    snap = _snapshot(model)
+    y_auto, rep = _run(model, [AdapterSpec(str(files["distilled"]))], "auto")
+    assert rep.decision.chosen == "dynamic" and rep.decision.share_lost > 0.9
+    assert "round away" in rep.decision.reason
+    y_dyn, _ = _run(model, [AdapterSpec(str(files["distilled"]))], "dynamic")
+    assert torch.equal(y_auto, y_dyn)
+    y_off, _ = _run(model, [], "dynamic")
+    assert not torch.equal(y_dyn, y_off)
+    # a forced merge loses most of the adapter's effect, measured in fp32 so that the
+    # bf16 forward's own noise does not hide it: merged bf16 weights vs the fp32 dynamic path
+    spec = [AdapterSpec(str(files["distilled"]))]
+    with torch.no_grad(), applied(model, plan(model, spec, "merge", "exact")):
+        merged_sd = {k: v.float() for k, v in model.state_dict().items() if "base_layer" not in k}
+        merged_sd.update({k.replace(".base_layer", ""): v.float() for k, v in model.state_dict().items()
+                          if "base_layer" in k})
+    m32 = TinyWanLike(dtype=torch.float32)
+    x32 = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).float()
+    m32.load_state_dict({k: v.float() for k, v in snap.items()})
+    y_off32, _ = _run(m32, [], "dynamic", x=x32)
+    y_dyn32, _ = _run(m32, spec, "dynamic", x=x32)
+    m32.load_state_dict(merged_sd)
+    with torch.no_grad():
+        y_merge32 = m32(x32)
+    effect = (y_dyn32 - y_off32).norm()
+    assert (y_merge32 - y_dyn32).norm() > 0.5 * effect
+    y_style_auto, rep_s = _run(model, [AdapterSpec(str(files["style"]))], "auto")
+    assert rep_s.decision.chosen == "merge" and rep_s.decision.share_lost < AUTO_MERGE_MAX_ROUNDING_LOSS
+    assert rep_s.restore_bytes < rep_s.merged_weight_bytes
+    _assert_same_state(model, snap)
+
+
+def test_auto_measures_once_per_adapter_set(files):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    cache = DecisionCache()
+    s = [AdapterSpec(str(files["style"]), 0.8)]
+    _, r1 = _run(model, s, "auto", cache=cache)
+    _, r2 = _run(model, s, "auto", cache=cache)
+    assert cache.measurements == 1 and not r1.decision.cached and r2.decision.cached
+    assert r1.decision.share_lost == r2.decision.share_lost
+    _run(model, [AdapterSpec(str(files["style"]), 0.5)], "auto", cache=cache)  # other strength: new key
+    assert cache.measurements == 2
+
+
+def test_auto_rule_covers_the_whole_set(files):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    _, alone = _run(model, [AdapterSpec(str(files["distilled"]))], "auto")
+    _, both = _run(model, [AdapterSpec(str(files["distilled"])), AdapterSpec(str(files["style"]))], "auto")
+    assert alone.decision.chosen == "dynamic"
+    assert both.decision.share_lost < alone.decision.share_lost  # measured over the combined update
+
+
+def test_fp32_model_always_merges_under_auto(files):
+    model = TinyWanLike(dtype=torch.float32)
+    _, rep = _run(model, [AdapterSpec(str(files["distilled"]))], "auto", x=torch.randn(2, 5, 32))
+    assert rep.decision.chosen == "merge" and rep.decision.share_lost == 0.0
+
+
+class PackedWeight(torch.Tensor):
+    pass
+
+
+def test_quantized_weights_stay_dynamic_and_merge_is_refused(files):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    lin = model.blocks[0].ffn[0]
+    lin.weight = torch.nn.Parameter(lin.weight.detach().as_subclass(PackedWeight), requires_grad=False)
+    _, rep = _run(model, [AdapterSpec(str(files["style"]))], "auto")
+    assert rep.decision.chosen == "dynamic" and "cannot take a merge" in rep.decision.reason
+    snap = _snapshot(model)
+    with pytest.raises(MergeRefusedError, match=r"blocks.0.ffn.0.*quantized.*dynamic"):
+        _run(model, [AdapterSpec(str(files["style"]))], "merge")
+    _assert_same_state(model, snap)
+    assert not any(getattr(m, "is_lora_wrapper", False) for m in model.modules())
+
+
+def test_bad_settings_are_refused(files):
+    model = TinyWanLike()
+    with pytest.raises(ConfigError, match="unknown merge mode 'fuse'"):
+        plan(model, [], "fuse")
+    with pytest.raises(ConfigError, match="unknown quality tier 'fast'"):
+        plan(model, [], "auto", "fast")
+    with pytest.raises(ConfigError, match="strength of style.safetensors 11.0 is out of range"):
+        plan(model, [AdapterSpec(str(files["style"]), 11.0)])
+
+
+def test_nonfinite_merge_names_adapter_and_leaves_weights(tmp_path):
+    model = TinyWanLike(dtype=torch.float16)
+    pairs = make_adapter_tensors(model, r=1, seed=5, scale=1.0, only=["ffn"])
+    pairs["blocks.1.ffn.2"] = (torch.full((1, 64), 400.0), torch.full((32, 1), 400.0))
+    path = write_kohya(tmp_path / "boom.safetensors", pairs)
+    snap = _snapshot(model)
+    with pytest.raises(NonFiniteMergeError, match=r"boom.safetensors.*blocks.1.ffn.2.*no weight was changed"):
+        _run(model, [AdapterSpec(str(path))], "merge", x=torch.randn(2, 5, 32).half())
+    _assert_same_state(model, snap)
+
+
+def test_restore_on_error_inside_the_block(files):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    snap = _snapshot(model)
+    p = plan(model, [AdapterSpec(str(files["style"]))], "merge")
+    with pytest.raises(KeyboardInterrupt):
+        with applied(model, p):
+            assert not torch.equal(model.blocks[0].ffn[0].weight, snap["blocks.0.ffn.0.weight"])
+            raise KeyboardInterrupt  # an interrupt mid-sampling
+    _assert_same_state(model, snap)
+    assert type(model.blocks[0].ffn[0]) is torch.nn.Linear
+
+
+STATES = {
+    "none": [],
+    "one@1.0": [("style", 1.0)],
+    "one@0.0": [("style", 0.0)],
+    "one@-0.5": [("style", -0.5)],
+    "two stacked": [("style", 1.0), ("second", 0.7)],
+    "order swapped": [("second", 0.7), ("style", 1.0)],
+    "partial": [("partial", 1.0)],
+    "diff_b": [("offset", 1.0), ("style", 0.6)],
+}
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_state_transitions_equal_fresh_application(files, mode):
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    specs = {k: [AdapterSpec(str(files[f]), s) for f, s in v] for k, v in STATES.items()}
+    fresh = {}
+    for k, sp in specs.items():
+        m = TinyWanLike(dtype=torch.bfloat16)
+        inj = LoraInjector(m)
+        inj.apply(plan(m, sp, mode, "exact"))
+        with torch.no_grad():
+            fresh[k] = m(x)
+        inj.clear()
+    assert not torch.equal(fresh["none"], fresh["one@1.0"])
+    assert not torch.equal(fresh["one@1.0"], fresh["two stacked"])
+    assert torch.equal(fresh["none"], fresh["one@0.0"])
+    model = TinyWanLike(dtype=torch.bfloat16)
+    snap = _snapshot(model)
+    inj = LoraInjector(model)
+    plans = {k: plan(model, sp, mode, "exact") for k, sp in specs.items()}
+    for a, b in itertools.product(specs, specs):
+        inj.apply(plans[a])
+        inj.apply(plans[b])
+        with torch.no_grad():
+            assert torch.equal(model(x), fresh[b]), f"{a} -> {b} ({mode})"
+    inj.clear()
+    _assert_same_state(model, snap)
