@@ -1,0 +1,117 @@
+"""A ModelPatcher-shaped MODEL for the bundled host.
+
+ComfyUI passes MODEL between nodes as a `ModelPatcher`: a light handle around a
+shared `BaseModel`. Nodes that change the model clone the patcher and record
+the change on the clone (object patches, `model_options`), so the base weights
+are shared and an upstream MODEL that feeds two branches stays clean. This module
+keeps that shape with only what the pack uses:
+
+- `BundledModel`: the shared model (`diffusion_model`, `model_sampling`,
+  `latent_format`), analogous to comfy's BaseModel.
+- `BundledModelPatcher`: `.model`, `.model_options` (with
+  "transformer_options"), `.clone()`, `add_object_patch`, `get_model_object`,
+  `is_clone`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSamplingFlow:
+    """Discrete-flow (CONST) model sampling settings: sigma(t) shifted by `shift`,
+    model timestep = sigma * multiplier. Wan 2.1 T2V defaults to shift 8.0."""
+    shift: float = 8.0
+    multiplier: float = 1000.0
+
+    def __post_init__(self):
+        if not self.shift >= 0.0:
+            raise ValueError(f"model sampling shift must be >= 0, got {self.shift!r}")
+        if not self.multiplier > 0.0:
+            raise ValueError(f"model sampling multiplier must be > 0, got {self.multiplier!r}")
+
+
+class BundledModel:
+    """The shared model behind every patcher clone (comfy's BaseModel role)."""
+
+    def __init__(self, diffusion_model: torch.nn.Module,
+                 model_sampling: ModelSamplingFlow | None = None,
+                 latent_format: Any = None, model_type: str = "wan21"):
+        if not isinstance(diffusion_model, torch.nn.Module):
+            raise TypeError(f"diffusion_model must be a torch.nn.Module, got {type(diffusion_model).__name__}")
+        self.diffusion_model = diffusion_model
+        self.model_sampling = model_sampling if model_sampling is not None else ModelSamplingFlow()
+        self.latent_format = latent_format
+        self.model_type = model_type
+
+    def __repr__(self) -> str:
+        return (f"BundledModel({type(self.diffusion_model).__name__}, {self.model_type}, "
+                f"{self.model_sampling})")
+
+    def get_dtype(self) -> torch.dtype:
+        for p in self.diffusion_model.parameters():
+            return p.dtype
+        return torch.float32
+
+
+class BundledModelPatcher:
+    """ModelPatcher-like handle. Clones share `.model`; everything a node records
+    (`model_options`, object patches) is per clone."""
+
+    def __init__(self, model: BundledModel, load_device: torch.device | str = "cpu",
+                 offload_device: torch.device | str = "cpu"):
+        self.model = model
+        self.load_device = torch.device(load_device)
+        self.offload_device = torch.device(offload_device)
+        self.model_options: dict[str, Any] = {"transformer_options": {}}
+        self.object_patches: dict[str, Any] = {}
+        self.parent: BundledModelPatcher | None = None
+
+    def __repr__(self) -> str:
+        return (f"BundledModelPatcher({self.model!r}, object_patches={sorted(self.object_patches)}, "
+                f"model_options keys={sorted(self.model_options)})")
+
+    def clone(self) -> "BundledModelPatcher":
+        n = BundledModelPatcher(self.model, self.load_device, self.offload_device)
+        # Deep copy, as ComfyUI does: a node editing a nested dict or list of a
+        # clone must not reach back into its parent.
+        n.model_options = copy.deepcopy(self.model_options)
+        n.object_patches = dict(self.object_patches)
+        n.parent = self
+        return n
+
+    def is_clone(self, other: Any) -> bool:
+        return getattr(other, "model", None) is self.model
+
+    def add_object_patch(self, name: str, obj: Any) -> None:
+        self.object_patches[name] = obj
+
+    def get_model_object(self, name: str) -> Any:
+        """The object patch `name` if set, else the attribute (dotted path) of the model."""
+        if name in self.object_patches:
+            return self.object_patches[name]
+        obj: Any = self.model
+        for part in name.split("."):
+            if not hasattr(obj, part):
+                raise AttributeError(f"model has no object {name!r} (no attribute {part!r} on "
+                                     f"{type(obj).__name__})")
+            obj = getattr(obj, part)
+        return obj
+
+    def model_dtype(self) -> torch.dtype:
+        return self.model.get_dtype()
+
+    # ComfyUI patchers expose these; the bundled host keeps everything on one device.
+    def model_size(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.diffusion_model.parameters())
+
+    def set_model_options_key(self, key: str, value: Any) -> None:
+        """Helper for nodes: set one top-level model_options entry on this (cloned) patcher."""
+        self.model_options[key] = value

@@ -1,0 +1,60 @@
+"""Fixtures for the bundled-host tests: the ComfyUI reference vectors.
+
+The reference folder is ``<workspace>/shared/reference`` (three levels above
+this repo's ``tests/host``) or ``$LORA_RUNTIME_REFERENCE_DIR``; tests that need
+it are skipped with a clear reason when it is absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _reference_dir() -> Path:
+    env = os.environ.get("LORA_RUNTIME_REFERENCE_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared" / "reference"
+
+
+@pytest.fixture(scope="session")
+def ref_dir() -> Path:
+    d = _reference_dir()
+    if not (d / "README.md").is_file():
+        pytest.skip(f"ComfyUI reference vectors not found at {d} (set LORA_RUNTIME_REFERENCE_DIR)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def load_ref(ref_dir):
+    """load_ref(name) -> dict of tensors from <ref>/<name>.safetensors."""
+    from safetensors.torch import load_file
+
+    def _load(name: str) -> dict[str, torch.Tensor]:
+        return load_file(str(ref_dir / f"{name}.safetensors"))
+
+    return _load
+
+
+@pytest.fixture(scope="session")
+def ref_json(ref_dir):
+    def _load(name: str):
+        return json.loads((ref_dir / name).read_text())
+
+    return _load
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(ref_dir):
+    from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
+
+    return load_wan_checkpoint(ref_dir / "tiny_wan_d128_l2.safetensors")
+
+
+@pytest.fixture(scope="session")
+def cond_pos(load_ref) -> torch.Tensor:
+    return load_ref("cond_pos")["cond_pos"]  # [1, 4, 4096]
