@@ -211,12 +211,27 @@ class LoraInjector:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injector: LoraInjector | None = None):
-    """Apply `p` for the duration of the block, under its tier; always undo on exit."""
+def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injector: LoraInjector | None = None,
+            *, fusion_backend: str | None = "auto"):
+    """Apply `p` and mount the fusions its tier admits for the duration of the block.
+
+    On exit, also on error or interrupt: fusions unmounted, merged weights restored
+    bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
+    """
+    from .fusion_sites import mount_fusions
+
     inj = injector or LoraInjector(model)
+    mounted = None
     try:
         report = inj.apply(p, cache)
+        if fusion_backend is not None:
+            mounted = mount_fusions(model, p.tier, fusion_backend)
         with runtime_context(tier=p.tier):
             yield report
     finally:
-        inj.clear()
+        try:
+            if mounted is not None:
+                report.fusions = mounted.report()
+                mounted.unmount()
+        finally:
+            inj.clear()

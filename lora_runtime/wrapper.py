@@ -270,23 +270,47 @@ class LoraLinear(nn.Module):
             delta = dd if delta is None else delta + dd
         return delta
 
-    def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
-        """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
-        key = (x.device, x.dtype, tuple(s.name for s in slots))
+    def plain_stack(self, device, dtype, slots: list[AdapterSlot] | None = None):
+        """Stacked (A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None).
+
+        The factors are alpha/rank * strength per adapter, without the runtime scale.
+        Cached until the slot state changes.
+        """
+        slots = [s for s in self._weight_slots() if not s.merged and s.is_plain_lora] if slots is None else slots
+        key = (device, dtype, tuple(s.name for s in slots))
         st = self._stack_cache.get(key)
         if st is None:
-            ab = [s.tensors(x.device, x.dtype) for s in slots]
+            ab = [s.tensors(device, dtype) for s in slots]
             factors = [s.layer.alpha_over_rank * s.strength for s in slots]
             a = ab[0][0] if len(ab) == 1 else torch.cat([p[0] for p in ab], 0)
             b = ab[0][1] if len(ab) == 1 else torch.cat([p[1] for p in ab], 1)
             uniform = all(f == factors[0] for f in factors)
             vec = None if uniform else torch.cat(
-                [torch.full((s.layer.rank,), f, dtype=torch.float32) for s, f in zip(slots, factors)]).to(x.device, x.dtype)
+                [torch.full((s.layer.rank,), f, dtype=torch.float32) for s, f in zip(slots, factors)]).to(device)
             st = self._stack_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
-        a, bt, factor, vec = st
+        return st
+
+    def fusable_stack(self, device, dtype):
+        """What a LoRA-aware fused kernel needs, or None when some live slot is not plain LoRA.
+
+        Returns (A_cat [R, in], B_cat [out, R], scale) with scale a float or an fp32 [R]
+        tensor that already includes the runtime scale.
+        """
+        ctx = current_context()
+        rs = ctx.scale if ctx is not None else 1.0
+        live = [s for s in self._weight_slots() if not s.merged]
+        if not live or self.has_output_offset or any(not s.is_plain_lora for s in live):
+            return None
+        a, bt, factor, vec = self.plain_stack(device, dtype, live)
+        scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
+        return a, bt.t(), scale
+
+    def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
+        """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
+        a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
         h = F.linear(x, a)
         if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
-            h = h * vec
+            h = h * vec.to(h.dtype)
             alpha = rs
         else:
             alpha = factor * rs

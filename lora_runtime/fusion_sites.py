@@ -1,0 +1,215 @@
+"""Fusion sites: Linear -> GELU(tanh) feed-forwards, mounted with guarded fused forwards.
+
+Sites are found by structure (names are only reported):
+- ``sequential``: nn.Sequential(Linear, GELU(tanh), ...) — Wan ``blocks.N.ffn``, Flux
+  ``img_mlp``/``txt_mlp`` (ComfyUI), the embedded model;
+- ``proj_gelu``: a GELU module holding ``.proj`` with ``approximate == "tanh"`` —
+  diffusers FeedForward ``ff.net.0`` (LTX, Qwen-Image ``img_mlp.net.0``);
+- ``mlp``: a module with ``fc1``, ``act`` (GELU tanh) and ``fc2`` and no dropout/norm
+  between them — PixArt / SD3 ``mlp``.
+
+Mounting sets an instance ``forward`` on the site module, so module names, state
+dicts and LoRA wrapping of ``fc1`` by name are untouched; unmounting deletes it and
+the class forward is back: the output is bit for bit the unmounted one.
+
+Guards
+- mount time (static): the first linear is judged by the layer it wraps
+  (``get_base_layer()``): a plain float weight, no weight-function patches, no
+  on-the-fly cast, no quantization attributes, GELU really tanh. Sites failing it
+  are listed with the reason and not mounted.
+- call time (live): the fused path runs only inside a non-exact runtime context,
+  with matching dtype/device; and the wrapper is asked whether it adds output now
+  (`lora_active`). Inactive (disabled, or merged without offset): the base fused
+  epilogue, since the weight already holds any update. Active dynamic adapter: the
+  LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
+  unfused forward — never the base weight alone.
+
+By default (backend "auto") sites mount only where the Triton kernels run (CUDA):
+on the CPU the fp32 torch reference is not faster than the eager forward. Tests
+mount with backend "torch" (the reference) or "triton" (interpreter).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..kernels import linear_gelu_tanh, lora_linear, resolve_backend
+from .fusion_registry import FUSIONS
+from .runtime_context import current_context
+from .settings import Tier, parse_tier
+
+log = logging.getLogger(__name__)
+
+
+def _is_tanh_gelu(m) -> bool:
+    return isinstance(m, nn.GELU) and m.approximate == "tanh"
+
+
+def _is_passthrough(m) -> bool:
+    return isinstance(m, nn.Identity) or (isinstance(m, nn.Dropout) and m.p == 0.0)
+
+
+@dataclass
+class SiteSpec:
+    path: str
+    kind: str
+    module: nn.Module
+
+    def fc1(self) -> nn.Module:
+        m = self.module
+        if self.kind == "sequential":
+            return m._modules["0"]
+        if self.kind == "proj_gelu":
+            return m.proj
+        return m.fc1
+
+    @property
+    def fc1_path(self) -> str:
+        tail = {"sequential": "0", "proj_gelu": "proj", "mlp": "fc1"}[self.kind]
+        return f"{self.path}.{tail}" if self.path else tail
+
+
+def find_sites(model: nn.Module) -> list[SiteSpec]:
+    sites = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Sequential) and len(m) >= 2 and _is_linear_like(m[0]) and _is_tanh_gelu(m[1]):
+            sites.append(SiteSpec(path, "sequential", m))
+        elif (type(m).__name__ == "GELU" and not isinstance(m, nn.GELU) and _is_linear_like(getattr(m, "proj", None))
+              and getattr(m, "approximate", None) == "tanh"):
+            sites.append(SiteSpec(path, "proj_gelu", m))
+        elif (_is_linear_like(getattr(m, "fc1", None)) and _is_tanh_gelu(getattr(m, "act", None))
+              and isinstance(getattr(m, "fc2", None), nn.Module)
+              and all(_is_passthrough(getattr(m, a)) for a in ("drop1", "norm", "drop2") if hasattr(m, a))):
+            sites.append(SiteSpec(path, "mlp", m))
+    return sites
+
+
+def _is_linear_like(m) -> bool:
+    if m is None:
+        return False
+    base = m.get_base_layer() if hasattr(m, "get_base_layer") else m
+    return isinstance(base, nn.Linear)
+
+
+def static_guard(fc1: nn.Module) -> tuple[bool, str]:
+    """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone."""
+    base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+    if not isinstance(base, nn.Linear):
+        return False, f"first linear is a {type(base).__name__}"
+    w = base.weight
+    if type(w) not in (torch.Tensor, nn.Parameter):
+        return False, f"weight is a {type(w).__name__} (quantized/packed)"
+    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False, f"weight dtype {w.dtype}"
+    if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
+        return False, "weight/bias-function patches (computed at call time)"
+    if getattr(base, "comfy_cast_weights", False):
+        return False, "weights are cast/offloaded at call time"
+    for attr in ("scale_weight", "weight_scale", "quant_state", "qweight", "gather_output", "skip_bias_add"):
+        if getattr(base, attr, None) not in (None, False):
+            return False, f"layer has {attr}"
+    if base.bias is not None and base.bias.dtype != w.dtype:
+        return False, "bias dtype differs from weight dtype"
+    return True, ""
+
+
+class MountedSite:
+    """A site with a fused forward installed; routes counted per call."""
+
+    def __init__(self, spec: SiteSpec, fusions: tuple[str, ...], tier: Tier, backend: str):
+        self.spec, self.fusions, self.tier, self.backend = spec, fusions, tier, backend
+        self.routes: Counter = Counter()
+        module = spec.module
+        if spec.kind == "sequential":
+            def fwd(x, _s=self):
+                h = _s.linear_gelu(x)
+                for m in list(module._modules.values())[2:]:
+                    h = m(h)
+                return h
+        elif spec.kind == "proj_gelu":
+            def fwd(x, _s=self):
+                return _s.linear_gelu(x)
+        else:
+            def fwd(x, _s=self):
+                h = _s.linear_gelu(x)
+                for a in ("drop1", "norm"):
+                    if hasattr(module, a):
+                        h = getattr(module, a)(h)
+                h = module.fc2(h)
+                return module.drop2(h) if hasattr(module, "drop2") else h
+        module.forward = fwd
+
+    def unmount(self) -> None:
+        self.spec.module.__dict__.pop("forward", None)
+
+    def unfused(self, fc1: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        self.routes["unfused"] += 1
+        return torch.nn.functional.gelu(fc1(x), approximate="tanh")
+
+    def linear_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        fc1 = self.spec.fc1()
+        ctx = current_context()
+        if ctx is None or not ctx.tier.admits(Tier.LOSSLESS) or not ctx.tier.admits(self.tier):
+            return self.unfused(fc1, x)
+        base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+        w, b = base.weight, base.bias
+        if (x.dtype != w.dtype or x.device != w.device or getattr(base, "weight_function", None)
+                or x.shape[-1] != w.shape[1]):
+            return self.unfused(fc1, x)
+        if getattr(fc1, "is_lora_wrapper", False) and fc1.lora_active:
+            if "lora_linear_gelu_tanh" in self.fusions:
+                st = fc1.fusable_stack(x.device, x.dtype)
+                if st is not None:
+                    a, bmat, scale = st
+                    self.routes["lora_fused"] += 1
+                    return lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
+            return self.unfused(fc1, x)
+        if "linear_gelu_tanh" in self.fusions:
+            self.routes["base_fused"] += 1
+            return linear_gelu_tanh(x, w, b, backend=self.backend)
+        return self.unfused(fc1, x)
+
+    def report(self) -> dict:
+        return {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes)}
+
+
+@dataclass
+class MountedFusions:
+    sites: list[MountedSite] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)   # site path -> why not mounted
+
+    def unmount(self) -> None:
+        for s in self.sites:
+            s.unmount()
+
+    def report(self) -> list[dict]:
+        out = [s.report() for s in self.sites]
+        out += [{"site": p, "fusions": [], "skipped": why} for p, why in self.skipped.items()]
+        return out
+
+
+def mount_fusions(model: nn.Module, tier, backend: str = "auto", only: list[str] | None = None) -> MountedFusions:
+    """Mount every fusion the tier admits on every site that passes the static guard."""
+    tier = parse_tier(tier)
+    names = tuple(n for n, f in FUSIONS.items() if tier.admits(f.min_tier) and (only is None or n in only))
+    mounted = MountedFusions()
+    if not names:
+        return mounted
+    for spec in find_sites(model):
+        fc1 = spec.fc1()
+        ok, why = static_guard(fc1)
+        if ok and backend == "auto":
+            base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+            if resolve_backend("auto", base.weight) != "triton":
+                ok, why = False, "no Triton device: the torch reference is not faster than eager here"
+        if not ok:
+            mounted.skipped[spec.path] = why
+            continue
+        mounted.sites.append(MountedSite(spec, names, tier, backend))
+    if mounted.sites:
+        log.info("mounted %s on %d sites", ", ".join(names), len(mounted.sites))
+    return mounted

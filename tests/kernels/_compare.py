@@ -1,0 +1,82 @@
+"""One verbose comparison helper for the kernel tests.
+
+Every failure message says how many elements disagree, where the first ones are
+(with both values), the max abs error, and any NaN/Inf disagreement, so a broken
+tile or mask shows up as a pattern of indices rather than a bare assert.
+"""
+from __future__ import annotations
+
+import torch
+
+SHOW = 5
+
+
+def _special_report(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, str]:
+    a, e = actual.double(), expected.double()
+    nan_bad = torch.isnan(a) != torch.isnan(e)
+    inf_bad = (torch.isinf(a) | torch.isinf(e)) & ~torch.isnan(a) & ~torch.isnan(e) & (a != e)
+    bad = nan_bad | inf_bad
+    n = int(bad.sum())
+    if not n:
+        return 0, ""
+    idx = bad.nonzero()[:SHOW].tolist()
+    lines = [f"  {tuple(i)}: got {a[tuple(i)].item()!r}, expected {e[tuple(i)].item()!r}" for i in idx]
+    return n, f"{n} NaN/Inf disagreement(s), first:\n" + "\n".join(lines)
+
+
+def _finite_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| in fp64 where both are finite, 0 elsewhere."""
+    a, e = actual.double(), expected.double()
+    both = torch.isfinite(a) & torch.isfinite(e)
+    return torch.where(both, (a - e).abs(), torch.zeros_like(a))
+
+
+def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    """Max abs error over the elements where both are finite."""
+    err = _finite_error(actual, truth)
+    return float(err.max()) if err.numel() else 0.0
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float,
+                 name: str = "") -> None:
+    """|actual - expected| <= atol + rtol * |expected| elementwise, specials equal."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    n_special, special = _special_report(actual, expected)
+    a, e = actual.double(), expected.double()
+    err = _finite_error(actual, expected)
+    bad = err > atol + rtol * e.abs()
+    n_bad = int(bad.sum())
+    if n_bad or n_special:
+        idx = bad.nonzero()[:SHOW].tolist()
+        lines = [f"  {tuple(i)}: got {a[tuple(i)].item():.8g}, expected {e[tuple(i)].item():.8g}"
+                 for i in idx]
+        raise AssertionError(
+            f"{name}: {n_bad}/{err.numel()} elements off (atol={atol:g}, rtol={rtol:g}), "
+            f"max abs err {float(err.max()):.3g}\n" + "\n".join(lines) + ("\n" + special if special else ""))
+
+
+def assert_within_relative_rule(kernel: torch.Tensor, torch_lowp: torch.Tensor, truth: torch.Tensor,
+                                *, factor: float = 2.0, eps: float = 1e-6, name: str = "") -> None:
+    """Low-precision rule: the kernel's max error against an fp64 truth is below
+    `factor` x torch's own low-precision error (+eps), and specials agree with it."""
+    n_special, special = _special_report(kernel, truth)
+    k_err, t_err = max_error(kernel, truth), max_error(torch_lowp, truth)
+    if n_special or k_err > factor * t_err + eps:
+        diff = _finite_error(kernel, truth)
+        worst = diff.flatten().topk(min(SHOW, diff.numel())).indices
+        lines = []
+        for flat in worst.tolist():
+            i = tuple(torch.unravel_index(torch.tensor(flat), diff.shape))
+            i = tuple(int(v) for v in i)
+            lines.append(f"  {i}: kernel {kernel.double()[i].item():.8g}, "
+                         f"torch {torch_lowp.double()[i].item():.8g}, truth {truth[i].item():.8g}")
+        raise AssertionError(
+            f"{name}: kernel max err {k_err:.3g} > {factor} x torch {kernel.dtype} err {t_err:.3g} + {eps:g}; "
+            "worst:\n" + "\n".join(lines) + ("\n" + special if special else ""))
+
+
+def assert_differs(actual: torch.Tensor, wrong: torch.Tensor, *, min_abs: float, name: str = "") -> None:
+    """The output must not equal a wrong answer (base only, GELU off...): max |diff| > min_abs."""
+    diff = max_error(actual, wrong)
+    assert diff > min_abs, (f"{name}: output is within {diff:.3g} of the wrong answer "
+                            f"(needs > {min_abs:g}); the tested branch did not change the result")

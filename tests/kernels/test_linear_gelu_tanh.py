@@ -1,0 +1,126 @@
+"""linear_gelu_tanh: the Triton kernel (interpreted on CPU, compiled on CUDA)
+against its fp32 torch reference and an fp64 ground truth."""
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import assert_close, assert_differs, assert_within_relative_rule
+
+from comfyui_lora_runtime.kernels.linear_gelu_tanh import (linear_gelu_tanh, linear_gelu_tanh_eager,
+                                                           linear_gelu_tanh_torch)
+
+# x shape, N. Odd sizes so every tile edge is ragged (interpreter tiles: 16 x 32 x 32).
+SHAPES = [((9, 41), 341), ((1, 16), 32), ((33, 64), 70), ((2, 5, 41), 100)]
+LOW = [torch.float16, torch.bfloat16]
+# fp32: kernel and reference both sum K <= 64 fp32 products, in different orders
+# (a few ulps), and torch's 0.5u(1+tanh) cancels for u << 0 where ours does not.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+# Low precision vs the fp32 reference: both round nearly the same fp32 value once,
+# so they may land one ulp apart where it sits next to a rounding boundary.
+ULP_RTOL = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def make(x_shape, n, dtype, device, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = x_shape[-1]
+    x = torch.randn(x_shape, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5 * 1.5
+    b = torch.randn(n, generator=g) * 0.5 if bias else None
+    cast = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
+    return cast(x), cast(w), cast(b)
+
+
+def truth64(x, w, b):
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return F.gelu(y, approximate="tanh")
+
+
+def check(y, x, w, b, name):
+    ref = linear_gelu_tanh_torch(x, w, b)
+    assert y.dtype == x.dtype and y.shape == ref.shape, name
+    if x.dtype == torch.float32:
+        assert_close(y, ref, **FP32_TOL, name=name)
+    else:
+        assert_close(y, ref, atol=1e-6, rtol=ULP_RTOL[x.dtype], name=name + " vs fp32 ref")
+        assert_within_relative_rule(y, linear_gelu_tanh_eager(x, w, b), truth64(x, w, b), name=name)
+
+
+@pytest.mark.parametrize("x_shape,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_matches_reference(kernel_device, x_shape, n, dtype, bias):
+    x, w, b = make(x_shape, n, dtype, kernel_device, bias)
+    y = linear_gelu_tanh(x, w, b, backend="triton")
+    name = f"linear_gelu_tanh {dtype} x{x_shape} N={n} bias={bias}"
+    check(y, x, w, b, name)
+    # Not the wrong answers: GELU skipped, or the bias dropped.
+    no_gelu = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert_differs(y, no_gelu, min_abs=0.1, name=name + " vs no GELU")
+    if bias:
+        assert_differs(y, linear_gelu_tanh_torch(x, w, None), min_abs=0.1, name=name + " vs no bias")
+
+
+def test_reference_is_within_torch_lowp_error():
+    # The reference itself obeys the rule it sets for the kernel (fp32 math, one rounding).
+    x, w, b = make((9, 41), 341, torch.bfloat16, "cpu")
+    assert_within_relative_rule(linear_gelu_tanh_torch(x, w, b), linear_gelu_tanh_eager(x, w, b),
+                                truth64(x, w, b), name="reference bf16")
+
+
+# numpy warns about inf * 0 and inf - inf inside the interpreter; those NaNs are the point.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_special_values_agree(kernel_device):
+    x, w, b = make((9, 41), 70, torch.float32, kernel_device)
+    x[1, 3] = float("nan")    # row 1 all NaN
+    x[4, 0] = float("inf")    # row 4: +-inf by sign of w, then gelu(-inf) = NaN
+    x[6, :] = -1e4            # large negative pre-activations: gelu -> -0, no NaN
+    y = linear_gelu_tanh(x, w, b, backend="triton")
+    ref = linear_gelu_tanh_torch(x, w, b)
+    assert torch.isnan(y[1]).all()
+    assert torch.isinf(y[4]).any() and torch.isnan(y[4]).any()
+    assert_close(y, ref, **FP32_TOL, name="specials")
+
+
+def test_torch_backend_is_the_reference():
+    x, w, b = make((2, 5, 41), 100, torch.bfloat16, "cpu")
+    assert torch.equal(linear_gelu_tanh(x, w, b, backend="torch"), linear_gelu_tanh_torch(x, w, b))
+    assert torch.equal(linear_gelu_tanh(x, w, b), linear_gelu_tanh_torch(x, w, b))  # auto on CPU
+
+
+def test_bad_shapes_are_refused():
+    x, w, b = make((9, 41), 70, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        linear_gelu_tanh(x, w[:, :40], b)
+    with pytest.raises(ValueError, match="bias"):
+        linear_gelu_tanh(x, w, b[:69])
+    with pytest.raises(TypeError, match="weight dtype"):
+        linear_gelu_tanh(x, w.half(), b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_large():
+    x, w, b = make((512, 1536), 2048, torch.bfloat16, "cuda")
+    y = linear_gelu_tanh(x, w, b)  # auto: Triton on CUDA
+    check(y, x, w, b, "cuda bf16 512x1536x2048")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_timing_sanity():
+    # Not a benchmark (bench/bench_kernels.py is): only catches a kernel that is
+    # pathologically slow, e.g. a config that spills, against the eager chain.
+    x, w, b = make((4096, 1536), 8960, torch.bfloat16, "cuda")
+    for _ in range(3):
+        linear_gelu_tanh(x, w, b)
+        linear_gelu_tanh_eager(x, w, b)
+    torch.cuda.synchronize()
+
+    def ms(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    fused, eager = ms(lambda: linear_gelu_tanh(x, w, b)), ms(lambda: linear_gelu_tanh_eager(x, w, b))
+    assert fused < 3.0 * eager, f"fused {fused:.3f} ms vs eager {eager:.3f} ms"
