@@ -1,1 +1,35 @@
+"""The one module the nodes talk to: real ComfyUI when present, else the bundled host.
 
+Real ComfyUI is detected by `comfy.model_management` being importable (the pack
+sits in `ComfyUI/custom_nodes/`). Everything the nodes need goes through these
+functions, so node code never cares which host runs it:
+
+- `lora_names()`, `resolve_lora(name)`: the `loras` model folder;
+- `diffusion_model(model)`: the nn.Module inside a MODEL (patcher);
+- `sample(model, ...)`: the host's KSampler (seeded noise, sigmas, sampler) -> LATENT;
+- `sampler_names()`, `scheduler_names()`;
+- `InterruptProcessingException`: what an interrupt raises through sampling.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+
+def _real_comfyui_present() -> bool:
+    try:
+        return importlib.util.find_spec("comfy") is not None and importlib.util.find_spec(
+            "comfy.model_management") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+REAL_COMFYUI = _real_comfyui_present()
+
+if REAL_COMFYUI:
+    from .comfy_host import (InterruptProcessingException, diffusion_model, lora_names, resolve_lora,  # noqa: F401
+                             sample, sampler_names, scheduler_names)
+    NAME = "comfyui"
+else:
+    from .bundled_host import (InterruptProcessingException, diffusion_model, lora_names, resolve_lora,  # noqa: F401
+                               sample, sampler_names, scheduler_names)
+    NAME = "bundled"

@@ -1,0 +1,50 @@
+"""Host functions backed by a real ComfyUI (imported only when `comfy` is importable).
+
+Sampling goes through ComfyUI's own `common_ksampler` (its seeded noise, sigma
+schedules, samplers, progress bar and interruption), so the LoRA Sampler gives
+exactly what ComfyUI's KSampler gives for the same weights.
+"""
+from __future__ import annotations
+
+import os
+
+import comfy.model_management
+import comfy.samplers
+import folder_paths
+
+InterruptProcessingException = comfy.model_management.InterruptProcessingException
+
+
+def lora_names() -> list[str]:
+    return folder_paths.get_filename_list("loras")
+
+
+def resolve_lora(name: str) -> str:
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"loras name {name!r} escapes the loras folder; pick a file from the list")
+    path = folder_paths.get_full_path("loras", name)
+    if path is None:
+        raise FileNotFoundError(f"loras file {name!r} not found in {folder_paths.get_folder_paths('loras')}")
+    roots = [os.path.realpath(p) for p in folder_paths.get_folder_paths("loras")]
+    if not any(os.path.realpath(path).startswith(r + os.sep) for r in roots):
+        raise ValueError(f"loras name {name!r} resolves outside the loras folder; move the file into it")
+    return path
+
+
+def diffusion_model(model):
+    return model.get_model_object("diffusion_model")
+
+
+def sample(model, *, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise=1.0) -> dict:
+    import nodes as comfy_nodes  # ComfyUI's top-level nodes module (ours is imported relatively)
+
+    return comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                       latent, denoise=denoise)[0]
+
+
+def sampler_names() -> list[str]:
+    return list(comfy.samplers.KSampler.SAMPLERS)
+
+
+def scheduler_names() -> list[str]:
+    return list(comfy.samplers.KSampler.SCHEDULERS)

@@ -1,0 +1,49 @@
+"""The runtime report a LoRA Sampler run returns: for the node UI, the log and the CLI."""
+from __future__ import annotations
+
+from ..lora_runtime import ApplyReport
+
+
+def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
+          steps: int) -> dict:
+    d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
+                                                      "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
+    coverage = {c["adapter"]: c for c in d["coverage"]}
+    adapters = []
+    for a in d["adapters"]:
+        c = coverage.get(a["name"], {})
+        adapters.append({**a, "coverage": c})
+    mounted = [f for f in d["fusions"] if f.get("fusions")]
+    skipped = [f for f in d["fusions"] if not f.get("fusions")]
+    return {
+        "host": host,
+        "mode_requested": mode,
+        "tier": tier,
+        "decision": d["decision"],
+        "adapters": adapters,
+        "fusions": {"mounted": len(mounted), "sites": mounted,
+                    "skipped": len(skipped), "skip_reasons": sorted({f.get("skipped", "") for f in skipped})},
+        "patch_seconds": d["patch_seconds"],
+        "restore_bytes": d["restore_bytes"],
+        "sample_seconds": round(sample_seconds, 4),
+        "seconds_per_step": round(sample_seconds / max(1, steps), 4),
+    }
+
+
+def text(r: dict) -> str:
+    """A few lines for the log and the CLI."""
+    dec = r.get("decision") or {}
+    share = dec.get("share_lost")
+    lines = [
+        f"LoRA runtime ({r['host']} host): tier {r['tier']}, mode {r['mode_requested']} -> "
+        f"{dec.get('chosen', 'no adapter')}" + (f" (a merge would lose {share:.1%})" if share is not None else ""),
+    ]
+    for a in r["adapters"]:
+        c = a.get("coverage") or {}
+        lines.append(f"  {a['name']} x{a['strength']}: {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"
+                     + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else ""))
+    f = r["fusions"]
+    lines.append(f"  fusions mounted on {f['mounted']} sites" + (
+        f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
+    lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
+    return "\n".join(lines)

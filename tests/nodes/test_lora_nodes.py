@@ -1,0 +1,199 @@
+"""The node pack on the bundled host: clone-not-mutate, reports, validation, restore on error/interrupt."""
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.host.bundled import progress
+from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
+from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
+
+from pathlib import Path
+
+REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
+
+
+class CondPos:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"which": (["pos", "neg"],)}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "go"
+
+    def go(self, which):
+        c = load_file(str(REF / "cond_pos.safetensors"))["cond_pos"]
+        return ([[c if which == "pos" else torch.zeros_like(c), {}]],)
+
+
+class Capture:
+    OUTPUT_NODE = True
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+    RETURN_TYPES = ()
+    FUNCTION = "go"
+    seen = []
+
+    def go(self, samples):
+        Capture.seen.append(samples["samples"].clone())
+        return {"ui": {"n": [1]}}
+
+
+CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS, "CondPos": CondPos, "Capture": Capture}
+
+
+def _weights(patcher):
+    return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+
+
+def _sample(model, seed=42, steps=3):
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    pos = CondPos().go("pos")[0]
+    neg = CondPos().go("neg")[0]
+    out = LoraSampler().sample(model, seed, steps, 5.0, "euler", "simple", pos, neg, latent, 1.0)
+    return out["result"][0]["samples"], out["ui"]["lora_report"][0]
+
+
+@pytest.fixture
+def base(folders):
+    return UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]
+
+
+def test_no_adapter_equals_ksampler_bit_for_bit(base):
+    from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
+    ours, rep = _sample(base)
+    pos, neg = CondPos().go("pos")[0], CondPos().go("neg")[0]
+    ref = KSampler().sample(base, 42, 3, 5.0, "euler", "simple", pos, neg,
+                            {"samples": torch.zeros(1, 16, 1, 8, 8)}, 1.0)[0]["samples"]
+    assert torch.equal(ours, ref)
+    assert rep["decision"] is None and rep["adapters"] == []
+
+
+def test_nodes_clone_and_never_mutate(base):
+    before_opts = copy.deepcopy(base.model_options)
+    w0 = _weights(base)
+    a = LoadLoraAdapter().load(base, "style.safetensors", 1.0)["result"][0]
+    b = LoadLoraAdapter().load(base, "sub/second.safetensors", -0.5)["result"][0]
+    a2 = LoraMergeMode().set_mode(a, "merge")[0]
+    a3 = LoraQualityTier().set_tier(a2, "exact")[0]
+    assert base.model_options == before_opts
+    assert a is not base and a.model is base.model
+    assert [x["name"] for x in a3.model_options["lora_runtime"]["adapters"]] == ["style.safetensors"]
+    assert a.model_options["lora_runtime"]["mode"] == "auto" and a2.model_options["lora_runtime"]["mode"] == "merge"
+    y_base, _ = _sample(base)
+    y_a, rep_a = _sample(a3)
+    y_b, _ = _sample(b)
+    y_base2, _ = _sample(base)
+    assert torch.equal(y_base, y_base2)  # the base result is unchanged afterwards
+    assert not torch.equal(y_a, y_base) and not torch.equal(y_b, y_base) and not torch.equal(y_a, y_b)
+    # each branch gets its own result: equal to running that branch alone on a fresh model
+    fresh = UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]
+    fa = LoraQualityTier().set_tier(LoraMergeMode().set_mode(
+        LoadLoraAdapter().load(fresh, "style.safetensors", 1.0)["result"][0], "merge")[0], "exact")[0]
+    assert torch.equal(_sample(fa)[0], y_a)
+    w1 = _weights(base)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert rep_a["decision"]["chosen"] == "merge" and rep_a["tier"] == "exact"
+
+
+def test_stacked_adapters_and_the_report(base):
+    m = LoadLoraAdapter().load(base, "style.safetensors", 0.8)["result"][0]
+    out = LoadLoraAdapter().load(m, "sub/second.safetensors", 0.5)
+    assert out["ui"]["lora_coverage"][0]["matched"] == 4  # ffn.0/ffn.2 of 2 blocks
+    m = LoraMergeMode().set_mode(out["result"][0], "dynamic")[0]
+    y, rep = _sample(m)
+    assert [a["name"] for a in rep["adapters"]] == ["style.safetensors", "sub/second.safetensors"]
+    assert rep["adapters"][0]["coverage"]["matched"] == 20 and rep["adapters"][0]["coverage"]["unmatched"] == 0
+    assert rep["decision"]["chosen"] == "dynamic" and rep["tier"] == "lossless"
+    assert rep["fusions"]["mounted"] == 0 and rep["fusions"]["skipped"] == 3  # 2 FFNs + text_embedding; CPU: not mounted
+    assert rep["seconds_per_step"] > 0 and rep["patch_seconds"] >= 0
+    ex, _ = _sample(LoraQualityTier().set_tier(m, "exact")[0])
+    # lossless vs exact on the same adapters: the 0..25 latents agree to float32 noise
+    assert (y - ex).abs().max() < 1e-3 and not torch.equal(y, _sample(base)[0])
+
+
+def test_restore_on_interrupt_and_on_error(base, monkeypatch):
+    w0 = _weights(base)
+    m = LoraMergeMode().set_mode(LoadLoraAdapter().load(base, "style.safetensors", 1.0)["result"][0], "merge")[0]
+    calls = {"n": 0}
+
+    def hook(value, total, preview, node_id=None):
+        calls["n"] += 1
+        if value == 2:
+            progress.interrupt_current_processing(True)
+
+    with progress.progress_hook(hook):
+        with pytest.raises(progress.InterruptProcessingException):
+            _sample(m, steps=4)
+    progress.interrupt_current_processing(False)
+    assert calls["n"] >= 2
+    w1 = _weights(base)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert not any(getattr(x, "is_lora_wrapper", False) for x in base.model.diffusion_model.modules())
+    from comfyui_lora_runtime import host as host_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("sampler exploded")
+    monkeypatch.setattr(host_mod, "sample", boom)
+    with pytest.raises(RuntimeError, match="exploded"):
+        _sample(m)
+    w2 = _weights(base)
+    assert all(torch.equal(w0[k], w2[k]) for k in w0)
+
+
+def _prompt(lora="style.safetensors", strength=1.0, mode="auto", tier="lossless"):
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "LoraRuntimeLoadAdapter", "inputs": {"model": ["1", 0], "lora_name": lora,
+                                                                 "strength": strength}},
+        "3": {"class_type": "LoraRuntimeMergeMode", "inputs": {"model": ["2", 0], "mode": mode}},
+        "4": {"class_type": "LoraRuntimeQualityTier", "inputs": {"model": ["3", 0], "tier": tier}},
+        "5": {"class_type": "CondPos", "inputs": {"which": "pos"}},
+        "6": {"class_type": "CondPos", "inputs": {"which": "neg"}},
+        "7": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
+                                                                  "batch_size": 1}},
+        "8": {"class_type": "LoraRuntimeSampler", "inputs": {
+            "model": ["4", 0], "seed": 42, "steps": 2, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "denoise": 1.0}},
+        "9": {"class_type": "Capture", "inputs": {"samples": ["8", 0]}},
+    }
+
+
+def test_workflow_runs_through_the_executor(folders):
+    res = execute_prompt(_prompt(), CLASSES, folders=folders)
+    rep = res.ui["8"]["lora_report"][0]
+    assert rep["decision"]["requested"] == "auto" and rep["decision"]["chosen"] == "merge"  # fp32 weights
+    assert rep["decision"]["share_lost"] == 0.0
+    assert res.ui["2"]["lora_coverage"][0]["matched"] == 20
+
+
+@pytest.mark.parametrize("node,inp,value,etype,text", [
+    ("2", "lora_name", "missing.safetensors", "custom_validation_failed", "not found"),
+    ("2", "lora_name", "../diffusion_models/tiny_wan.safetensors", "custom_validation_failed", "loras"),
+    ("2", "strength", 11.0, "value_bigger_than_max", ""),
+    ("3", "mode", "fuse", "value_not_in_list", ""),
+    ("4", "tier", "fast", "value_not_in_list", ""),
+])
+def test_validation_errors_in_comfyui_shape(folders, node, inp, value, etype, text):
+    p = _prompt()
+    p[node]["inputs"][inp] = value
+    ok, err, outputs, node_errors = validate_prompt(p, CLASSES, folders=folders)
+    assert not ok and node in node_errors
+    e = node_errors[node]["errors"][0]
+    assert e["type"] == etype and e["extra_info"]["input_name"] == inp
+    assert text in e["details"] + e["message"]
+
+
+def test_adapter_matching_nothing_fails_at_its_node(folders):
+    with pytest.raises(NodeExecutionError) as ei:
+        execute_prompt(_prompt(lora="flux_only.safetensors"), CLASSES, folders=folders)
+    assert ei.value.node_id == "2" and "matches no layer" in str(ei.value)
+
+
+def test_pickle_is_refused_at_its_node(folders):
+    with pytest.raises(NodeExecutionError) as ei:
+        execute_prompt(_prompt(lora="pickled.safetensors"), CLASSES, folders=folders)
+    assert ei.value.node_id == "2" and "not opened" in str(ei.value)
