@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any, Mapping, Sequence
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $LORA_RUNTIME_MODELS_DIR or <pack>/models)")
     r.add_argument("--set", metavar="NODE.INPUT=VALUE", action="append", default=[],
                    help="override an input of a node (VALUE is parsed as JSON if possible); repeatable")
+    r.add_argument("--bf16-unet", action="store_true",
+                   help="store and run diffusion models in bfloat16 (as ComfyUI does on a GPU, or with its "
+                        "--bf16-unet); default float32, what ComfyUI uses on the CPU")
     r.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
@@ -189,6 +193,9 @@ def main(argv: Sequence[str] | None = None, node_classes: Mapping[str, type] | N
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command != "run":
         return EXIT_INVALID
+    if args.bf16_unet:
+        from .host.bundled.core_nodes import UNET_DTYPE_ENV
+        os.environ[UNET_DTYPE_ENV] = "bf16"
     try:
         return run(args, node_classes)
     except KeyboardInterrupt:  # Ctrl-C outside the sampling loop (loading, validating)

@@ -51,6 +51,20 @@ def _scheduler_names() -> list[str]:
         return list(_FALLBACK_SCHEDULERS)
 
 
+UNET_DTYPE_ENV = "LORA_RUNTIME_UNET_DTYPE"
+_UNET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def unet_dtype() -> torch.dtype:
+    """Storage and compute dtype of loaded diffusion models: float32 by default (what
+    ComfyUI uses on the CPU); ``bf16`` emulates a GPU ComfyUI (or ComfyUI's
+    ``--bf16-unet``), where merge rounding matters. A launch option, like ComfyUI's."""
+    name = os.environ.get(UNET_DTYPE_ENV, "fp32").strip().lower()
+    if name not in _UNET_DTYPES:
+        raise ValueError(f"{UNET_DTYPE_ENV}={name!r}: use one of {', '.join(_UNET_DTYPES)}")
+    return _UNET_DTYPES[name]
+
+
 class UNETLoader:
     WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
 
@@ -74,7 +88,7 @@ class UNETLoader:
         from .wan21 import load_wan_checkpoint
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         log.info("loading diffusion model %s", path)
-        wan = load_wan_checkpoint(path, dtype=torch.float32)
+        wan = load_wan_checkpoint(path, dtype=unet_dtype())
         wan.eval()
         model = BundledModel(wan, ModelSamplingFlow(WAN21_DEFAULT_SHIFT, FLOW_MULTIPLIER),
                              latent_format=latent_format, model_type="wan21")

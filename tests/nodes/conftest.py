@@ -35,6 +35,8 @@ def models_dir(tmp_path):
 
     write_kohya(tmp_path / "loras" / "style.safetensors", pairs(0.3), alpha=4.0)
     write_peft(tmp_path / "loras" / "sub" / "second.safetensors", pairs(0.3, only=("ffn",)), alpha=2.0)
+    # |dW| ~ 2e-5, far below a bf16 ulp of these weights (~3e-4): a bf16 merge rounds it away
+    write_peft(tmp_path / "loras" / "distilled.safetensors", pairs(0.003), alpha=4.0)
     torch.save({"x": torch.zeros(1)}, tmp_path / "loras" / "pickled.safetensors")
     from safetensors.torch import save_file
     save_file({"transformer.double_blocks.0.img_attn.qkv.lora_A.weight": torch.zeros(2, 8),

@@ -197,3 +197,22 @@ def test_pickle_is_refused_at_its_node(folders):
     with pytest.raises(NodeExecutionError) as ei:
         execute_prompt(_prompt(lora="pickled.safetensors"), CLASSES, folders=folders)
     assert ei.value.node_id == "2" and "not opened" in str(ei.value)
+
+
+def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypatch):
+    from comfyui_lora_runtime.host.bundled.core_nodes import UNET_DTYPE_ENV
+    monkeypatch.setenv(UNET_DTYPE_ENV, "bf16")
+    base = UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]
+    assert base.model.diffusion_model.blocks[0].ffn[0].weight.dtype == torch.bfloat16
+    w0 = _weights(base)
+    d = LoadLoraAdapter().load(base, "distilled.safetensors", 1.0)["result"][0]
+    y_auto, rep = _sample(d)
+    assert rep["decision"]["chosen"] == "dynamic" and rep["decision"]["share_lost"] > 0.8
+    y_dyn, _ = _sample(LoraMergeMode().set_mode(d, "dynamic")[0])
+    assert torch.equal(y_auto, y_dyn)
+    assert not torch.equal(y_dyn, _sample(base)[0])
+    s = LoadLoraAdapter().load(base, "style.safetensors", 1.0)["result"][0]
+    _, rep_s = _sample(s)
+    assert rep_s["decision"]["chosen"] == "merge" and rep_s["decision"]["share_lost"] < 0.5
+    w1 = _weights(base)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
