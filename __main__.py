@@ -142,6 +142,10 @@ def run(args: argparse.Namespace, node_classes: Mapping[str, type] | None = None
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
 
+    from .nodes.report import text as report_text
+    for node_id, ui in result.ui.items():
+        for r in ui.get("lora_report", []):
+            print(f"node {node_id}: " + report_text(r))
     files = result.saved_files()
     if files:
         print(f"saved {len(files)} image(s):")
@@ -184,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store and run diffusion models in bfloat16 (as ComfyUI does on a GPU, or with its "
                         "--bf16-unet); default float32, what ComfyUI uses on the CPU")
     r.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    d = sub.add_parser("demo", help="the main job: run the embedded workflows under every merge mode and tier, "
+                                    "write the images, a contact sheet and a table of decisions")
+    d.add_argument("--output", metavar="DIR", default="output/demo", help="output directory (default output/demo)")
+    d.add_argument("--steps", type=int, default=20, help="sampler steps (default 20)")
+    d.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
 
@@ -191,6 +200,9 @@ def main(argv: Sequence[str] | None = None, node_classes: Mapping[str, type] | N
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from .demo import run_demo
+        return run_demo(args.output, steps=args.steps)
     if args.command != "run":
         return EXIT_INVALID
     if args.bf16_unet:

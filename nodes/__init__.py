@@ -1,5 +1,6 @@
 """ComfyUI nodes of the pack (thin: they record intent and call lora_runtime)."""
 from .lora_nodes import NODE_CLASS_MAPPINGS as _LORA, NODE_DISPLAY_NAME_MAPPINGS as _LORA_NAMES
+from .tiny_nodes import NODE_CLASS_MAPPINGS as _TINY, NODE_DISPLAY_NAME_MAPPINGS as _TINY_NAMES
 
-NODE_CLASS_MAPPINGS = dict(_LORA)
-NODE_DISPLAY_NAME_MAPPINGS = dict(_LORA_NAMES)
+NODE_CLASS_MAPPINGS = {**_LORA, **_TINY}
+NODE_DISPLAY_NAME_MAPPINGS = {**_LORA_NAMES, **_TINY_NAMES}

@@ -1,0 +1,64 @@
+"""Saved workflows: UI and API formats agree, files are up to date, embedded ones run."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.host.bundled.workflow_format import detect_format, ui_to_api
+
+ROOT = Path(__file__).resolve().parents[2]
+WF = ROOT / "workflows"
+spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "tools" / "make_workflows.py")
+mw = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mw)
+
+
+def _stub(class_type, sockets, widgets, outputs):
+    """A stand-in class with the INPUT_TYPES shape of a ComfyUI-only node (for UI->API mapping)."""
+    req = {n: (t,) for n, t in sockets}
+    req.update({w: ("STRING",) for w in widgets})
+    return type(class_type, (), {"INPUT_TYPES": classmethod(lambda cls: {"required": req}),
+                                 "RETURN_TYPES": tuple(t for _, t in outputs), "FUNCTION": "f"})
+
+
+CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS,
+           **{k: _stub(k, *v) for k, v in mw.COMFY_ONLY.items()}}
+NAMES = sorted(p.name[: -len(".api.json")] for p in WF.glob("*.api.json"))
+
+
+def test_every_workflow_has_both_formats():
+    assert len(NAMES) >= 7
+    for n in NAMES:
+        assert (WF / f"{n}.ui.json").is_file(), n
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_converts_to_the_api_file(name):
+    ui = json.loads((WF / f"{name}.ui.json").read_text())
+    api = json.loads((WF / f"{name}.api.json").read_text())
+    assert detect_format(ui) == "ui" and detect_format(api) == "api"
+    converted = ui_to_api(ui, CLASSES)
+    assert {k: (v["class_type"], v["inputs"]) for k, v in converted.items()} == \
+           {k: (v["class_type"], v["inputs"]) for k, v in api.items()}
+
+
+def test_files_are_generated_from_the_description():
+    graphs = mw.graphs()
+    assert sorted(graphs) == NAMES
+    for name, g in graphs.items():
+        assert json.loads((WF / f"{name}.api.json").read_text()) == mw.api_format(g), \
+            f"{name}: run python tools/make_workflows.py"
+        assert json.loads((WF / f"{name}.ui.json").read_text()) == mw.ui_format(g, CLASSES), name
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("template_")])
+def test_templates_name_the_model_files_they_expect(name):
+    api = json.loads((WF / f"{name}.api.json").read_text())
+    files = [v for node in api.values() for k, v in node["inputs"].items() if k.endswith("_name") and
+             isinstance(v, str) and v.endswith(".safetensors")]
+    assert len(files) >= 3
+    ours = [n for n in api.values() if n["class_type"].startswith("LoraRuntime")]
+    assert {n["class_type"] for n in ours} >= {"LoraRuntimeLoadAdapter", "LoraRuntimeSampler"}
