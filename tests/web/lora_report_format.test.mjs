@@ -1,0 +1,151 @@
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { fullReport, tree } from "./_harness.mjs";
+
+const fmt = await import(tree().format);
+
+test("full report: ordered badges with decision, adapters, warning, fusions, settings, timings", () => {
+  const items = fmt.formatReport(fullReport());
+  assert.deepEqual(items.map((i) => i.key), [
+    "decision", "adapter:0", "adapter:1", "coverage-warning", "fusions", "settings", "timings",
+  ]);
+  for (const i of items) {
+    assert.equal(typeof i.text, "string");
+    assert.ok(i.text.length > 0);
+    assert.ok(["ok", "warn", "error", "info"].includes(i.level), i.level);
+    assert.equal(typeof i.title, "string");
+  }
+  const byKey = Object.fromEntries(items.map((i) => [i.key, i]));
+  assert.equal(byKey.decision.text, "dynamic — a merge would lose 78 %");
+  assert.match(byKey.decision.title, /round away 78%/);
+  assert.equal(byKey["adapter:0"].level, "ok");
+  assert.equal(byKey["adapter:0"].text, "style.safetensors ×0.8: 240/240 layers (kohya)");
+  assert.equal(byKey["adapter:1"].level, "warn");
+  assert.equal(byKey["adapter:1"].text, "partial.safetensors ×1.0: 100/120 layers, 20 not loaded");
+  assert.equal(byKey["coverage-warning"].level, "warn");
+  assert.match(byKey["coverage-warning"].text, /1 adapter only partly loaded/);
+  assert.match(byKey["coverage-warning"].title, /text_encoder\.layers\.0\.q_proj/);
+  assert.equal(byKey.fusions.text, "fused kernels on 2 sites, 1 skipped");
+  assert.match(byKey.fusions.title, /blocks\.0\.mlp: linear_gelu_tanh \(calls: base_fused 40, unfused 0\)/);
+  assert.match(byKey.fusions.title, /bias missing/);
+  assert.equal(byKey.settings.text, "tier lossless · mode auto · comfy host");
+  assert.equal(byKey.timings.text, "patch 0.12 s · 1.23 s/step");
+  assert.match(byKey.timings.title, /3\.0 MiB/);
+});
+
+test("partial coverage is a warning whose title lists the unmatched examples", () => {
+  const c = fmt.formatCoverage({
+    adapter: "a.safetensors", format: "kohya", matched: 10, file_layers: 12, model_linears: 50,
+    unmatched: 5, unmatched_examples: ["lora_te_x (text encoder)", "lora_unet_y (no such layer)"],
+  });
+  assert.equal(c.level, "warn");
+  assert.equal(c.text, "a.safetensors: 10/12 layers, 5 not loaded");
+  assert.match(c.title, /lora_te_x \(text encoder\)/);
+  assert.match(c.title, /lora_unet_y \(no such layer\)/);
+  assert.match(c.title, /… and 3 more/);
+  // matched < file_layers without an unmatched count is partial too
+  assert.equal(fmt.formatCoverage({ adapter: "b", matched: 3, file_layers: 4 }).level, "warn");
+});
+
+test("zero matched is an error", () => {
+  const c = fmt.formatCoverage({ adapter: "z.safetensors", matched: 0, file_layers: 64, unmatched: 64,
+    unmatched_examples: ["x (y)"] });
+  assert.equal(c.level, "error");
+  assert.match(c.text, /0\/64 layers matched/);
+  assert.match(c.title, /x \(y\)/);
+  const items = fmt.formatCoverageList([{ adapter: "z", matched: 0, file_layers: 3, unmatched: 3 }]);
+  assert.equal(items.at(-1).key, "coverage-warning");
+  assert.equal(items.at(-1).level, "error");
+});
+
+test("full coverage is ok; coverage list of the loader node", () => {
+  const ok = fmt.formatCoverage({ adapter: "ok", format: "peft", matched: 8, file_layers: 8, unmatched: 0 });
+  assert.equal(ok.level, "ok");
+  assert.equal(ok.text, "ok: 8/8 layers (peft)");
+  const items = fmt.formatCoverageList([{ adapter: "ok", matched: 8, file_layers: 8, unmatched: 0 }]);
+  assert.equal(items.length, 1);
+});
+
+test("decision texts and shares", () => {
+  assert.equal(fmt.formatShare(0.78), "78 %");
+  assert.equal(fmt.formatShare(0.03), "3 %");
+  assert.equal(fmt.formatShare(0.001), "< 1 %");
+  assert.equal(fmt.formatShare(0), "0 %");
+  assert.equal(fmt.formatShare(null), null);
+  assert.equal(fmt.formatDecision({ requested: "auto", chosen: "merge", share_lost: 0.03 }).text, "merged (3 % lost)");
+  assert.equal(fmt.formatDecision({ requested: "dynamic", chosen: "dynamic", share_lost: null }).text,
+    "dynamic (requested)");
+  assert.equal(fmt.formatDecision({ requested: "merge", chosen: "merge" }).text, "merged (requested)");
+  assert.equal(fmt.formatDecision({ requested: "auto", chosen: "dynamic", share_lost: null,
+    reason: "3 layers cannot take a merge" }).text, "dynamic — layers cannot take a merge");
+  const cached = fmt.formatDecision({ requested: "auto", chosen: "dynamic", share_lost: 0.9, cached: true,
+    threshold: 0.5 });
+  assert.match(cached.title, /cache/);
+  assert.match(cached.title, /above 50 %/);
+});
+
+test("null decision: no adapter applied", () => {
+  const d = fmt.formatDecision(null);
+  assert.equal(d.text, "no adapter applied");
+  assert.equal(d.level, "info");
+  const items = fmt.formatReport({ host: "comfy", mode_requested: "auto", tier: "exact", decision: null,
+    adapters: [], fusions: { mounted: 0, sites: [], skipped: 0, skip_reasons: [] }, patch_seconds: 0,
+    restore_bytes: 0, sample_seconds: 1, seconds_per_step: 0.05 });
+  assert.equal(items[0].text, "no adapter applied");
+  assert.ok(!items.some((i) => i.key === "coverage-warning"));
+  assert.equal(items.find((i) => i.key === "fusions").text, "no fused kernels");
+  assert.equal(items.find((i) => i.key === "timings").text, "patch 0 ms · 0.05 s/step");
+});
+
+test("missing fields (older reports) degrade instead of failing", () => {
+  const items = fmt.formatReport({ decision: { chosen: "merge" }, adapters: [{ name: "old.safetensors" }] });
+  assert.deepEqual(items.map((i) => i.key), ["decision", "adapter:0", "coverage-warning"]);
+  assert.equal(items[0].text, "merged");
+  assert.equal(items[1].text, "old.safetensors: coverage not reported");
+  assert.equal(items[1].level, "warn");
+  // raw ApplyReport-style fusions list
+  const f = fmt.formatFusions([{ site: "a", fusions: ["x"], routes: {} }, { site: "b", fusions: [], skipped: "why" }]);
+  assert.equal(f.text, "fused kernels on 1 site, 1 skipped");
+  assert.match(f.title, /why/);
+  assert.equal(fmt.formatFusions(undefined), null);
+  assert.equal(fmt.formatTimings({}), null);
+  const dis = fmt.formatReport({ adapters: [{ name: "off", enabled: false, strength: 1, coverage: {} }] });
+  assert.equal(dis.find((i) => i.key === "adapter:0").text, "off ×1.0: disabled");
+  assert.deepEqual(fmt.formatReport(null), []);
+  assert.deepEqual(fmt.formatReport(undefined), []);
+});
+
+test("garbage input never throws", () => {
+  const cyclic = {};
+  cyclic.self = cyclic;
+  const hostile = new Proxy({}, { get() { throw new Error("boom"); }, has() { throw new Error("boom"); } });
+  const inputs = [undefined, null, 0, 1, NaN, Infinity, "", "text", true, [], [1, 2], {}, cyclic, hostile,
+    { decision: "x", adapters: "y", fusions: 3 }, { adapters: [null, 1, "a", { coverage: "no" }] },
+    { decision: { share_lost: "0.5", chosen: 7 } }, { fusions: { sites: [null, { fusions: "x" }] } },
+    Symbol("s"), () => 1];
+  for (const x of inputs) {
+    for (const fn of [fmt.formatReport, fmt.formatCoverage, fmt.formatDecision, fmt.formatFusions,
+      fmt.formatTimings, fmt.formatCoverageList, fmt.payloadFromOutput, fmt.summarize, fmt.formatShare,
+      fmt.formatSeconds, fmt.formatBytes]) {
+      assert.doesNotThrow(() => fn(x), `${fn.name} on ${typeof x}`);
+    }
+    assert.doesNotThrow(() => fmt.formatPayload("report", x));
+    assert.doesNotThrow(() => fmt.formatPayload("coverage", x));
+  }
+  const r = fmt.formatReport("garbage");
+  assert.equal(r.length, 1);
+  assert.equal(r[0].level, "warn");
+  const h = fmt.formatReport(hostile);
+  assert.ok(Array.isArray(h));
+});
+
+test("payloadFromOutput reads both nodes' UI outputs", () => {
+  const rep = fullReport();
+  assert.deepEqual(fmt.payloadFromOutput({ lora_report: [rep] }), { kind: "report", payload: rep });
+  const cov = [{ adapter: "a", matched: 1, file_layers: 1 }];
+  assert.deepEqual(fmt.payloadFromOutput({ lora_coverage: cov }), { kind: "coverage", payload: cov });
+  assert.equal(fmt.payloadFromOutput({ images: [] }), null);
+  assert.equal(fmt.payloadFromOutput({ lora_report: [] }), null);
+  assert.equal(fmt.summarize(fmt.formatReport(rep)).split(" | ")[0], "dynamic — a merge would lose 78 %");
+});

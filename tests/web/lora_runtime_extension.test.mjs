@@ -1,0 +1,250 @@
+// Smoke + behaviour test of web/lora_runtime.js against stub ComfyUI modules
+// (see _harness.mjs): it must parse as an ES module, register the extension,
+// and keep/render/hide the report without ever throwing or logging.
+import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import { copyFileSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { afterEach, beforeEach, test } from "node:test";
+
+import { WEB_DIR, fullReport, installFakeDocument, makeNodeClass, tree } from "./_harness.mjs";
+
+const urls = tree();
+installFakeDocument();
+const { app } = await import(urls.app);
+const { api } = await import(urls.api);
+const fmt = await import(urls.format);
+await import(urls.extension);
+const ext = app.extensions.find((e) => e.name === "comfyui_lora_runtime.report");
+await ext.setup?.();
+
+const consoleCalls = [];
+const saved = {};
+beforeEach(() => {
+  for (const k of ["log", "info", "warn", "error", "debug"]) {
+    saved[k] = console[k];
+    console[k] = (...a) => consoleCalls.push([k, a]);
+  }
+});
+afterEach(() => {
+  Object.assign(console, saved);
+  assert.deepEqual(consoleCalls, [], "the extension must not log");
+});
+
+const setting = (value) => {
+  app.settingValues["LoraRuntime.ShowBadges"] = value;
+  ext.settings[0].onChange(value, !value);
+};
+
+async function register(name, opts) {
+  const Cls = makeNodeClass(opts);
+  await ext.beforeRegisterNodeDef(Cls, { name }, app);
+  return Cls;
+}
+
+function create(Cls) {
+  const node = new Cls();
+  node.onNodeCreated?.();
+  return node;
+}
+
+const rows = (node) => node.widgets[0].element.children[0].children;
+
+test("every web/*.js file passes `node --check` as an ES module", () => {
+  const dir = mkdtempSync(join(tmpdir(), "lora-runtime-check-"));
+  for (const f of ["lora_runtime.js", "lora_report_format.js"]) {
+    const copy = join(dir, f.replace(/\.js$/, ".mjs"));
+    copyFileSync(join(WEB_DIR, f), copy);
+    execFileSync(process.execPath, ["--check", copy]);
+  }
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test("registers the extension and its setting", () => {
+  assert.ok(ext, "extension registered");
+  assert.equal(typeof ext.beforeRegisterNodeDef, "function");
+  const s = ext.settings.find((x) => x.id === "LoraRuntime.ShowBadges");
+  assert.equal(s.name, "LoRA Runtime: show runtime report on nodes");
+  assert.equal(s.type, "boolean");
+  assert.equal(s.defaultValue, true);
+});
+
+test("sampler: report kept in properties and rendered in a DOM widget", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  assert.equal(node.widgets.length, 0, "no widget before a report");
+  const report = fullReport();
+  node.onExecuted({ lora_report: [report] });
+
+  assert.deepEqual(JSON.parse(node.properties.lora_runtime_report), report);
+  assert.match(node.properties.lora_runtime_summary, /^dynamic — a merge would lose 78 %/);
+  assert.equal(node.addDOMWidgetCalls.length, 1);
+  const [name, type, , options] = node.addDOMWidgetCalls[0];
+  assert.equal(name, "lora_runtime_report");
+  assert.equal(type, "lora_runtime_report");
+  assert.equal(options.serialize, false);
+  assert.equal(node.widgets[0].serialize, false);
+
+  const expected = fmt.formatReport(report);
+  const r = rows(node);
+  assert.equal(r.length, expected.length);
+  r.forEach((row, i) => {
+    assert.equal(row.textContent, expected[i].text);
+    assert.equal(row.dataset.level, expected[i].level);
+    assert.ok(row.title.length > 0);
+    assert.ok(row.style.color);
+  });
+  const warning = r.find((row) => row.dataset.key === "coverage-warning");
+  assert.ok(warning, "visible warning line for partial coverage");
+  assert.match(warning.title, /text_encoder\.layers\.0\.q_proj/);
+  assert.equal(options.getMinHeight(), options.getMaxHeight());
+  assert.ok(options.getMinHeight() >= expected.length * 16);
+  assert.ok(node.size[1] >= node.computeSize()[1], "node grew to fit the report");
+
+  node.onExecuted({ lora_report: [{ ...report, decision: null, adapters: [] }] });
+  assert.equal(node.widgets.length, 1, "the widget is reused");
+  assert.equal(rows(node)[0].textContent, "no adapter applied");
+});
+
+test("setting off hides the report and collapses it; on shows it again", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  node.onExecuted({ lora_report: [fullReport()] });
+  const body = node.widgets[0].element.children[0];
+  const tall = node.size[1];
+  setting(false);
+  assert.equal(body.style.display, "none");
+  assert.equal(node.widgets[0].options.getMinHeight(), 0);
+  assert.ok(node.size[1] < tall, "node shrank");
+  node.onExecuted({ lora_report: [fullReport()] });
+  assert.equal(body.style.display, "none", "stays hidden while the setting is off");
+  setting(true);
+  assert.equal(body.style.display, "");
+  assert.ok(node.widgets[0].options.getMinHeight() > 0);
+
+  // nodes that got a report while off get their widget when it is turned on
+  setting(false);
+  const late = create(Sampler);
+  late.onExecuted({ lora_report: [fullReport()] });
+  assert.equal(late.widgets.length, 0);
+  assert.ok(late.properties.lora_runtime_report);
+  setting(true);
+  assert.equal(late.widgets.length, 1);
+});
+
+test("a saved workflow shows its report again on load (onConfigure)", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const first = create(Sampler);
+  first.onExecuted({ lora_report: [fullReport()] });
+  const loaded = new Sampler();
+  loaded.properties = JSON.parse(JSON.stringify(first.properties));
+  loaded.onConfigure?.({ properties: loaded.properties });
+  assert.equal(rows(loaded).length, rows(first).length);
+  // a hand-edited, broken property does not throw
+  const broken = new Sampler();
+  broken.properties = { lora_runtime_report: "{not json" };
+  assert.doesNotThrow(() => broken.onConfigure?.({}));
+  assert.equal(broken.widgets.length, 0);
+});
+
+test("loader: coverage with a visible warning line", async () => {
+  setting(true);
+  const Loader = await register("LoraRuntimeLoadAdapter");
+  const node = create(Loader);
+  node.onExecuted({ lora_coverage: [{ adapter: "p.safetensors", format: "kohya", matched: 0, file_layers: 10,
+    model_linears: 40, unmatched: 10, unmatched_examples: ["k1 (why)"] }] });
+  const r = rows(node);
+  assert.equal(r.length, 2);
+  assert.equal(r[0].dataset.level, "error");
+  assert.match(r[0].title, /k1 \(why\)/);
+  assert.equal(r[1].dataset.key, "coverage-warning");
+  assert.ok(node.properties.lora_coverage);
+  // an output of the other kind is ignored
+  node.onExecuted({ lora_report: [fullReport()] });
+  assert.equal(rows(node).length, 2);
+});
+
+test("other node types are left alone; mode/tier nodes get nothing", async () => {
+  for (const name of ["KSampler", "LoraRuntimeMergeMode", "LoraRuntimeQualityTier"]) {
+    const Cls = makeNodeClass();
+    const before = Object.getOwnPropertyNames(Cls.prototype).sort();
+    await ext.beforeRegisterNodeDef(Cls, { name }, app);
+    assert.deepEqual(Object.getOwnPropertyNames(Cls.prototype).sort(), before, name);
+  }
+});
+
+test("existing prototype hooks are chained, and patching twice is harmless", async () => {
+  const Cls = makeNodeClass();
+  const seen = [];
+  Cls.prototype.onExecuted = function (o) {
+    seen.push(o);
+    return "original";
+  };
+  await ext.beforeRegisterNodeDef(Cls, { name: "LoraRuntimeSampler" }, app);
+  await ext.beforeRegisterNodeDef(Cls, { name: "LoraRuntimeSampler" }, app);
+  const node = create(Cls);
+  const out = { lora_report: [fullReport()] };
+  assert.equal(node.onExecuted(out), "original");
+  assert.equal(seen.length, 1);
+  assert.equal(node.addDOMWidgetCalls.length, 1);
+});
+
+test("no addDOMWidget, no document, garbage outputs: nothing throws", async () => {
+  setting(true);
+  const Bare = await register("LoraRuntimeSampler", { withDomWidgets: false });
+  const bare = create(Bare);
+  bare.onExecuted({ lora_report: [fullReport()] });
+  assert.ok(bare.properties.lora_runtime_report, "still kept in properties");
+
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  for (const out of [undefined, null, "x", 3, [], {}, { lora_report: "garbage" }, { lora_report: [null] },
+    { lora_report: [{ adapters: "x", decision: 5 }] }, { lora_coverage: null }]) {
+    assert.doesNotThrow(() => node.onExecuted(out));
+  }
+  const doc = globalThis.document;
+  delete globalThis.document;
+  try {
+    const nodoc = create(Sampler);
+    assert.doesNotThrow(() => nodoc.onExecuted({ lora_report: [fullReport()] }));
+    assert.equal(nodoc.widgets.length, 0);
+  } finally {
+    globalThis.document = doc;
+  }
+  const thrower = create(Sampler);
+  thrower.addDOMWidget = () => {
+    throw new Error("renderer refused");
+  };
+  assert.doesNotThrow(() => thrower.onExecuted({ lora_report: [fullReport()] }));
+  thrower.onRemoved?.();
+});
+
+test("api `executed` fallback renders once; the same output via onExecuted is not rendered twice", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  app.graph.nodes.set(String(node.id), node);
+  const output = { lora_report: [fullReport()] };
+  // frontend that does not call onExecuted: the event alone renders it
+  api.dispatchEvent(new CustomEvent("executed", { detail: { node: String(node.id), output } }));
+  await new Promise((r) => setTimeout(r, 5));
+  assert.equal(node.widgets.length, 1);
+  const body = node.widgets[0].element.children[0];
+  const renders = body.replaceCount;
+  // core calls onExecuted with the same object, then the event fires: one render
+  const output2 = { lora_report: [fullReport()] };
+  node.onExecuted(output2);
+  api.dispatchEvent(new CustomEvent("executed", { detail: { node: String(node.id), display_node: String(node.id),
+    output: output2 } }));
+  await new Promise((r) => setTimeout(r, 5));
+  assert.equal(body.replaceCount, renders + 1);
+  // unrelated events are ignored
+  api.dispatchEvent(new CustomEvent("executed", { detail: { node: "999", output: { images: [] } } }));
+  api.dispatchEvent(new CustomEvent("executed", { detail: null }));
+  await new Promise((r) => setTimeout(r, 5));
+  app.graph.nodes.delete(String(node.id));
+});

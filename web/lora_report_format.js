@@ -1,0 +1,365 @@
+// Pure formatting of the LoRA runtime reports for the node UI.
+//
+// No DOM, no ComfyUI imports: every function takes the plain JSON the nodes send
+// (see nodes/report.py and CoverageReport.to_dict) and returns text badges
+// {key, text, level, title}. level is "ok" | "warn" | "error" | "info".
+// Every exported function accepts anything (older reports, missing fields,
+// garbage) and never throws.
+
+const MAX_TITLE_SITES = 12;
+
+function isObj(v) {
+  return v !== null && typeof v === "object" && !Array.isArray(v);
+}
+
+function num(v) {
+  return typeof v === "number" && Number.isFinite(v) ? v : null;
+}
+
+function str(v, fallback = "") {
+  if (typeof v === "string") return v;
+  if (typeof v === "number" && Number.isFinite(v)) return String(v);
+  return fallback;
+}
+
+function list(v) {
+  return Array.isArray(v) ? v : [];
+}
+
+function safe(fn, fallback) {
+  return (...args) => {
+    try {
+      return fn(...args);
+    } catch {
+      return typeof fallback === "function" ? fallback(...args) : fallback;
+    }
+  };
+}
+
+/** 0.78 -> "78 %", 0.004 -> "< 1 %", null -> null. */
+export const formatShare = safe((share) => {
+  const s = num(share);
+  if (s === null) return null;
+  if (s > 0 && s < 0.005) return "< 1 %";
+  return `${Math.round(s * 100)} %`;
+}, null);
+
+/** Seconds for humans: "4 ms", "0.12 s", "12.3 s", "2 min 5 s". */
+export const formatSeconds = safe((seconds) => {
+  const s = num(seconds);
+  if (s === null || s < 0) return null;
+  if (s < 0.01) return `${Math.round(s * 1000)} ms`;
+  if (s < 10) return `${s.toFixed(2)} s`;
+  if (s < 120) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  return `${m} min ${Math.round(s - m * 60)} s`;
+}, null);
+
+/** Bytes for humans: "512 B", "1.5 MiB". */
+export const formatBytes = safe((bytes) => {
+  const b = num(bytes);
+  if (b === null || b < 0) return null;
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let v = b;
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i += 1;
+  }
+  return i === 0 ? `${Math.round(v)} B` : `${v < 10 ? v.toFixed(1) : Math.round(v)} ${units[i]}`;
+}, null);
+
+/**
+ * One adapter's coverage (CoverageReport.to_dict):
+ * partial coverage -> "warn", nothing matched -> "error".
+ * `name` is used when the coverage does not name its adapter.
+ */
+export const formatCoverage = safe(
+  (coverage, name) => {
+    const c = isObj(coverage) ? coverage : {};
+    const adapter = str(c.adapter) || str(name) || "adapter";
+    const matched = num(c.matched);
+    const fileLayers = num(c.file_layers);
+    const modelLinears = num(c.model_linears);
+    const examples = list(c.unmatched_examples).map((e) => str(e)).filter(Boolean);
+    let unmatched = num(c.unmatched);
+    if (unmatched === null && examples.length) unmatched = examples.length;
+    const format = str(c.format);
+
+    if (matched === null) {
+      return {
+        text: `${adapter}: coverage not reported`,
+        level: "warn",
+        title: `${adapter}: this report does not say how many of the adapter's layers were matched.`,
+      };
+    }
+
+    const ratio = `${matched}/${fileLayers === null ? "?" : fileLayers}`;
+    const titleLines = [
+      `${adapter}${format ? ` (${format} format)` : ""}`,
+      `${matched} model layers matched from ${fileLayers === null ? "?" : fileLayers} adapter layers in the file`
+        + (modelLinears === null ? "" : `; the model has ${modelLinears} linear layers`),
+    ];
+    if (unmatched) {
+      titleLines.push(`${unmatched} adapter keys not loaded${examples.length ? ", e.g.:" : "."}`);
+      for (const e of examples) titleLines.push(`  • ${e}`);
+      if (unmatched > examples.length && examples.length) {
+        titleLines.push(`  … and ${unmatched - examples.length} more`);
+      }
+    }
+
+    if (matched === 0) {
+      return {
+        text: `${adapter}: 0/${fileLayers === null ? "?" : fileLayers} layers matched — no effect`,
+        level: "error",
+        title: titleLines.join("\n"),
+      };
+    }
+    if (unmatched || (fileLayers !== null && matched < fileLayers)) {
+      const missing = unmatched || fileLayers - matched;
+      return {
+        text: `${adapter}: ${ratio} layers, ${missing} not loaded`,
+        level: "warn",
+        title: titleLines.join("\n"),
+      };
+    }
+    return {
+      text: `${adapter}: ${ratio} layers${format ? ` (${format})` : ""}`,
+      level: "ok",
+      title: titleLines.join("\n"),
+    };
+  },
+  () => ({ text: "adapter: coverage unreadable", level: "warn", title: "" }),
+);
+
+/** The merge decision (MergeDecision.to_dict) or null when no adapter was applied. */
+export const formatDecision = safe(
+  (decision) => {
+    if (!isObj(decision)) {
+      return {
+        text: "no adapter applied",
+        level: "info",
+        title: "The model carried no adapter layers to apply, so the weights were not touched.",
+      };
+    }
+    const requested = str(decision.requested);
+    const chosen = str(decision.chosen);
+    const share = formatShare(decision.share_lost);
+    const threshold = formatShare(decision.threshold);
+    const reason = str(decision.reason);
+    const layers = num(decision.layers);
+
+    let text;
+    if (chosen === "dynamic") {
+      if (requested === "dynamic") text = "dynamic (requested)";
+      else if (share !== null) text = `dynamic — a merge would lose ${share}`;
+      else text = "dynamic — layers cannot take a merge";
+    } else if (chosen === "merge") {
+      if (requested === "merge") text = "merged (requested)";
+      else if (share !== null) text = `merged (${share} lost)`;
+      else text = "merged";
+    } else {
+      text = chosen ? `applied: ${chosen}` : "applied";
+    }
+
+    const title = [
+      reason,
+      requested ? `merge mode requested: ${requested}` : "",
+      share !== null ? `a merge rounds away ${share} of the adapters' update` : "",
+      requested === "auto" && threshold !== null ? `auto keeps adapters dynamic above ${threshold}` : "",
+      layers !== null ? `${layers} adapted layers` : "",
+      decision.cached === true ? "measurement reused from the cache" : "",
+    ].filter(Boolean).join("\n");
+    return { text, level: "ok", title };
+  },
+  () => ({ text: "merge decision unreadable", level: "warn", title: "" }),
+);
+
+function routesText(routes) {
+  if (!isObj(routes)) return "";
+  const parts = Object.entries(routes)
+    .filter(([, v]) => num(v) !== null)
+    .map(([k, v]) => `${k} ${v}`);
+  return parts.length ? ` (calls: ${parts.join(", ")})` : "";
+}
+
+/**
+ * The fused-kernel sites: {mounted, sites, skipped, skip_reasons} from the sampler,
+ * or the raw list of site dicts older reports carried. null when absent.
+ */
+export const formatFusions = safe((fusions) => {
+  let mounted;
+  let sites;
+  let skipped;
+  let reasons;
+  if (Array.isArray(fusions)) {
+    sites = fusions.filter((f) => isObj(f) && list(f.fusions).length);
+    const rest = fusions.filter((f) => isObj(f) && !list(f.fusions).length);
+    mounted = sites.length;
+    skipped = rest.length;
+    reasons = [...new Set(rest.map((f) => str(f.skipped)).filter(Boolean))];
+  } else if (isObj(fusions)) {
+    sites = list(fusions.sites).filter(isObj);
+    mounted = num(fusions.mounted) ?? sites.length;
+    skipped = num(fusions.skipped) ?? 0;
+    reasons = list(fusions.skip_reasons).map((r) => str(r)).filter(Boolean);
+  } else {
+    return null;
+  }
+
+  let text;
+  let level;
+  if (mounted > 0) {
+    text = `fused kernels on ${mounted} site${mounted === 1 ? "" : "s"}`;
+    level = "ok";
+  } else {
+    text = "no fused kernels";
+    level = "info";
+  }
+  if (skipped > 0) text += `, ${skipped} skipped`;
+
+  const title = [];
+  for (const s of sites.slice(0, MAX_TITLE_SITES)) {
+    const names = list(s.fusions).map((f) => str(f)).filter(Boolean).join(", ");
+    title.push(`${str(s.site, "?")}: ${names || "-"}${routesText(s.routes)}`);
+  }
+  if (sites.length > MAX_TITLE_SITES) title.push(`… and ${sites.length - MAX_TITLE_SITES} more sites`);
+  if (skipped > 0) {
+    title.push(`${skipped} site${skipped === 1 ? "" : "s"} skipped${reasons.length ? ":" : ""}`);
+    for (const r of reasons) title.push(`  • ${r}`);
+  }
+  if (!title.length) title.push("No fusion site was mounted for this tier and model.");
+  return { text, level, title: title.join("\n") };
+}, null);
+
+/** Patch time and seconds per step; null when the report has no timings. */
+export const formatTimings = safe((report) => {
+  const r = isObj(report) ? report : {};
+  const patch = formatSeconds(r.patch_seconds);
+  const perStep = num(r.seconds_per_step);
+  const sample = formatSeconds(r.sample_seconds);
+  const total = formatSeconds(r.total_seconds);
+  const restore = formatBytes(r.restore_bytes);
+  const parts = [];
+  if (patch !== null) parts.push(`patch ${patch}`);
+  if (perStep !== null) parts.push(`${perStep < 10 ? perStep.toFixed(2) : perStep.toFixed(1)} s/step`);
+  if (!parts.length && sample === null && total === null) return null;
+  if (!parts.length) parts.push(`sampling ${sample ?? total}`);
+  const title = [
+    patch !== null ? `applying the adapters: ${patch}` : "",
+    sample !== null ? `sampling: ${sample}${perStep !== null ? ` (${perStep} s per step)` : ""}` : "",
+    total !== null ? `total in the LoRA Sampler: ${total}` : "",
+    restore !== null ? `kept to restore the weights: ${restore}` : "",
+  ].filter(Boolean).join("\n");
+  return { text: parts.join(" · "), level: "info", title };
+}, null);
+
+function strengthText(v) {
+  const s = num(v);
+  if (s === null) return "";
+  return ` ×${Number.isInteger(s) ? s.toFixed(1) : String(Math.round(s * 1000) / 1000)}`;
+}
+
+function coverageWarning(items) {
+  const errors = items.filter((i) => i.level === "error").length;
+  const warns = items.filter((i) => i.level === "warn").length;
+  if (!errors && !warns) return null;
+  const parts = [];
+  if (errors) parts.push(`${errors} adapter${errors === 1 ? "" : "s"} matched no layer`);
+  if (warns) parts.push(`${warns} adapter${warns === 1 ? "" : "s"} only partly loaded`);
+  return {
+    key: "coverage-warning",
+    text: `⚠ ${parts.join(", ")} — hover for details`,
+    level: errors ? "error" : "warn",
+    title: items.filter((i) => i.level !== "ok").map((i) => i.title).join("\n\n"),
+  };
+}
+
+/** Badges for the Load LoRA Adapter node's `lora_coverage` list. */
+export const formatCoverageList = safe((coverageList) => {
+  const entries = Array.isArray(coverageList) ? coverageList : isObj(coverageList) ? [coverageList] : [];
+  const items = entries.map((c, i) => ({ key: `coverage:${i}`, ...formatCoverage(c) }));
+  const warning = coverageWarning(items);
+  return warning ? [...items, warning] : items;
+}, []);
+
+/** The ordered badge list for the LoRA Sampler node. [] for null/undefined. */
+export const formatReport = safe(
+  (report) => {
+    if (report === null || report === undefined) return [];
+    if (!isObj(report)) {
+      return [{ key: "invalid", text: "LoRA runtime report unreadable", level: "warn", title: "" }];
+    }
+    const out = [{ key: "decision", ...formatDecision(report.decision) }];
+
+    const adapterItems = [];
+    list(report.adapters).forEach((a, i) => {
+      const ad = isObj(a) ? a : {};
+      const name = str(ad.name) || str(isObj(ad.coverage) ? ad.coverage.adapter : "") || `adapter ${i + 1}`;
+      const cov = formatCoverage(isObj(ad.coverage) && Object.keys(ad.coverage).length ? ad.coverage : null, name);
+      const label = `${name}${strengthText(ad.strength)}`;
+      let text = cov.text.startsWith(`${name}:`) ? `${label}${cov.text.slice(name.length)}` : `${label}: ${cov.text}`;
+      let level = cov.level;
+      if (ad.enabled === false) {
+        text = `${label}: disabled`;
+        level = "info";
+      }
+      const path = str(ad.path);
+      const title = [cov.title, path ? `file: ${path}` : "", ad.format ? `format: ${str(ad.format)}` : ""]
+        .filter(Boolean).join("\n");
+      adapterItems.push({ key: `adapter:${i}`, text, level, title });
+    });
+    out.push(...adapterItems);
+    const warning = coverageWarning(adapterItems);
+    if (warning) out.push(warning);
+
+    const fusions = formatFusions(report.fusions);
+    if (fusions) out.push({ key: "fusions", ...fusions });
+
+    const settings = [
+      str(report.tier) ? `tier ${str(report.tier)}` : "",
+      str(report.mode_requested) ? `mode ${str(report.mode_requested)}` : "",
+      str(report.host) ? `${str(report.host)} host` : "",
+    ].filter(Boolean);
+    if (settings.length) {
+      out.push({
+        key: "settings",
+        text: settings.join(" · "),
+        level: "info",
+        title: "Quality tier and merge mode the LoRA Sampler ran with.",
+      });
+    }
+
+    const timings = formatTimings(report);
+    if (timings) out.push({ key: "timings", ...timings });
+    return out;
+  },
+  () => [{ key: "invalid", text: "LoRA runtime report unreadable", level: "warn", title: "" }],
+);
+
+/** One line for node.properties / logs: the badges' texts joined. */
+export const summarize = safe((items) => list(items).map((i) => str(isObj(i) ? i.text : "")).filter(Boolean)
+  .join(" | "), "");
+
+/**
+ * The report a node received, from an `executed` output
+ * ({lora_report: [report]} or {lora_coverage: [coverage, ...]}).
+ * Returns {kind: "report" | "coverage", payload} or null.
+ */
+export const payloadFromOutput = safe((output) => {
+  if (!isObj(output)) return null;
+  if ("lora_report" in output) {
+    const r = output.lora_report;
+    const payload = Array.isArray(r) ? r[r.length - 1] : r;
+    return payload === undefined ? null : { kind: "report", payload };
+  }
+  if ("lora_coverage" in output) {
+    return { kind: "coverage", payload: output.lora_coverage };
+  }
+  return null;
+}, null);
+
+/** Badges for a payload of either kind. */
+export const formatPayload = safe((kind, payload) => (kind === "coverage"
+  ? formatCoverageList(payload)
+  : formatReport(payload)), []);
