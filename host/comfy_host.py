@@ -31,7 +31,34 @@ def resolve_lora(name: str) -> str:
     return path
 
 
+def _weights_need_load(model) -> bool:
+    """Whether the module weights do not (yet) hold exactly `model`'s own ComfyUI weight
+    patches: another patcher's patch set is applied (e.g. a LoraLoader branch sampled
+    before), or this patcher has patches that are not applied yet."""
+    inner = getattr(model, "model", None)
+    mine = getattr(model, "patches_uuid", None)
+    if inner is None or mine is None or not hasattr(inner, "current_weight_patches_uuid"):
+        return True  # a ComfyUI we do not know: let model management decide
+    current = inner.current_weight_patches_uuid
+    if current is not None:
+        return current != mine
+    return bool(getattr(model, "patches", None))
+
+
 def diffusion_model(model):
+    """The nn.Module whose layers the adapters go on, with its weights in `model`'s state.
+
+    ComfyUI applies weight patches (its own LoraLoader etc.) lazily, when a patcher is
+    loaded for sampling, and takes another patcher's patches off first by putting the
+    backed-up Parameters back (``unpatch_model`` -> ``set_attr_param``). If the pack
+    wrapped or merged before that, ComfyUI's unpatch would either fail on our wrapper
+    (KeyError "attribute 'weight' already exists") or replace a merged weight under us:
+    the adapter silently dropped, and our restore written into the wrong weights. So
+    when the weights do not hold this patcher's patch state, let ComfyUI load it now;
+    the load inside sampling then finds it loaded and leaves the weights alone.
+    """
+    if _weights_need_load(model):
+        comfy.model_management.load_models_gpu([model])
     return model.get_model_object("diffusion_model")
 
 

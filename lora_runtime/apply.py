@@ -79,6 +79,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
             name, k = f"{base}#{k}", k + 1
         used.add(name)
         layers, coverage = match_adapter(adapter, model)
+        coverage.adapter = name  # the report joins coverage and adapters by the planned name
         planned.append(PlannedAdapter(name, spec, adapter, layers, coverage))
     return Plan(mode, tier, planned)
 

@@ -38,13 +38,18 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         raise AdapterFileError(f"adapter file not found: {p}")
     size = p.stat().st_size
     with open(p, "rb") as f:
-        head = f.read(8)
-        kind = _sniff_non_safetensors(head)
+        head = f.read(9)
+        # A safetensors file starts with its header length (u64 LE) and then "{"; only a
+        # file that is not that shape is sniffed (a header length can start with 0x80).
+        looks_safetensors = len(head) == 9 and head[8:9] == b"{"
+        kind = None if looks_safetensors else _sniff_non_safetensors(head)
         if kind is not None:
             raise AdapterFileError(
                 f"{p.name} is {kind}, not a .safetensors file. It was not opened "
                 f"(pickled files can run code). Convert it to safetensors and load that."
             )
+        head = head[:8]
+        f.seek(8)
         if len(head) < 8:
             raise AdapterFileError(f"{p.name} is too short ({size} bytes) to be a safetensors file; re-download it")
         (n,) = struct.unpack("<Q", head)

@@ -44,7 +44,7 @@ class LoadLoraAdapter:
         try:
             host.resolve_lora(lora_name)
         except (ValueError, FileNotFoundError) as e:
-            return f"{e}. Put the adapter in the loras folder and pick it from the list."
+            return str(e)
         return True
 
     def load(self, model, lora_name, strength):

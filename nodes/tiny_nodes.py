@@ -7,24 +7,23 @@ per process and shared (read-only).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-
 import torch
 
-EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "models" / "embedded"
 CATEGORY = "lora runtime/embedded model"
 
 
 @functools.lru_cache(maxsize=None)
 def _text_encoder():
+    from ..embedded import TEXT_ENCODER
     from ..embedded.text_encoder import TinyTextEncoder
-    return TinyTextEncoder.load(EMBEDDED_DIR / "text_encoder.safetensors")
+    return TinyTextEncoder.load(TEXT_ENCODER)
 
 
 @functools.lru_cache(maxsize=None)
 def _codec():
+    from ..embedded import CODEC
     from ..embedded.codec import TinyCodec
-    return TinyCodec.load(EMBEDDED_DIR / "codec.safetensors")
+    return TinyCodec.load(CODEC)
 
 
 class TinyTextEncode:

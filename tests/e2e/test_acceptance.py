@@ -1,0 +1,111 @@
+"""End-to-end acceptance on the embedded model (contracts.md section 5).
+
+The saved API workflows run through the bundled host's executor with the weights
+stored in bfloat16 (as ComfyUI stores them on a GPU), so merge rounding is real.
+Images are compared on 0..255 pixels, per key image (every image of the batch).
+"""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.host.bundled import folder_paths
+from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNET_DTYPE_ENV
+from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+
+ROOT = Path(__file__).resolve().parents[2]
+if not (ROOT / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors").is_file():
+    pytest.skip("embedded model not present", allow_module_level=True)
+
+CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(UNET_DTYPE_ENV, "bf16")
+    folders = folder_paths.ModelFolders(output_dir=out)
+    cache = {}
+
+    def _run(workflow, fresh=False, **overrides):
+        key = (workflow, json.dumps(overrides, sort_keys=True))
+        if fresh or key not in cache:
+            prompt = json.loads((ROOT / "workflows" / f"{workflow}.api.json").read_text())
+            prompt["8"]["inputs"]["steps"] = STEPS
+            prompt["7"]["inputs"]["batch_size"] = 8
+            for k, v in overrides.items():
+                node, inp = k.split("__")
+                prompt[node]["inputs"][inp] = v
+            res = execute_prompt(prompt, CLASSES, folders=folders)
+            images = (res.outputs["9"][0] * 255.0).round().to(torch.uint8)  # what SaveImage writes
+            cache[key] = images, res.ui["8"]["lora_report"][0]
+        return cache[key]
+
+    yield _run
+    mp.undo()
+
+
+def mad(a, b):
+    return (a.double() - b.double()).abs().mean().item()
+
+
+def psnr_per_image(a, b):
+    mse = (a.double() - b.double()).pow(2).flatten(1).mean(1)
+    return [math.inf if m == 0 else 10 * math.log10(255.0 ** 2 / m) for m in mse.tolist()]
+
+
+def test_default_tier_vs_exact_with_a_dynamic_adapter(run):
+    exact, r_exact = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "exact"})
+    lossless, r_ll = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "lossless"})
+    assert r_exact["decision"]["chosen"] == r_ll["decision"]["chosen"] == "dynamic"
+    for i in range(exact.shape[0]):
+        assert mad(lossless[i], exact[i]) <= 1.0
+    assert min(psnr_per_image(lossless, exact)) >= 40.0
+
+
+def test_high_tier_vs_exact(run):
+    exact, _ = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "exact"})
+    high, _ = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "high"})
+    assert min(psnr_per_image(high, exact)) >= 30.0
+
+
+def test_adapter_on_vs_off(run):
+    off, _ = run("embedded_base")
+    on, rep = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "exact"})
+    assert mad(on, off) >= 15.0
+    assert rep["adapters"][0]["coverage"]["unmatched"] == 0
+
+
+def test_exact_twice_is_bit_identical(run):
+    a, _ = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "exact"})
+    b, _ = run("embedded_style", fresh=True, **{"3__mode": "dynamic", "4__tier": "exact"})
+    assert torch.equal(a, b)
+
+
+def test_auto_keeps_the_distilled_adapter_dynamic(run):
+    auto, rep = run("embedded_distilled")
+    dyn, _ = run("embedded_distilled", **{"3__mode": "dynamic"})
+    off, _ = run("embedded_base", **{"8__cfg": 1.0})
+    assert rep["decision"]["chosen"] == "dynamic" and rep["decision"]["share_lost"] >= 0.8
+    assert "round away" in rep["decision"]["reason"]
+    assert torch.equal(auto, dyn)
+    assert not torch.equal(dyn, off)
+
+
+def test_auto_merges_the_style_adapter_within_lossless_of_dynamic(run):
+    auto, rep = run("embedded_style")
+    dyn, _ = run("embedded_style", **{"3__mode": "dynamic"})
+    assert rep["decision"]["chosen"] == "merge" and rep["decision"]["share_lost"] < 0.5
+    assert min(psnr_per_image(auto, dyn)) >= 40.0
+
+
+def test_diffusers_dialect_gives_the_same_images(run):
+    a, rep = run("embedded_style_diffusers", **{"3__mode": "dynamic", "4__tier": "exact"})
+    b, _ = run("embedded_style", **{"3__mode": "dynamic", "4__tier": "exact"})
+    assert rep["adapters"][0]["coverage"]["unmatched"] == 0
+    assert torch.equal(a, b)

@@ -1,0 +1,105 @@
+"""The pack registers in a real ComfyUI: imported without failure, every node in
+/object_info exactly as the pack declares it, the web extension served."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Combo inputs whose values come from the host (ComfyUI), not from the pack: the
+# in-process (bundled) INPUT_TYPES cannot be the reference for them.
+KSAMPLER_COMBOS = ("sampler_name", "scheduler")
+MODEL_FILE_COMBOS = {"lora_name": "loras"}
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x))
+
+
+def _import_times_section(log: str) -> list[str]:
+    lines = log.splitlines()
+    starts = [i for i, ln in enumerate(lines) if "Import times for custom nodes" in ln]
+    assert starts, "ComfyUI log has no 'Import times for custom nodes' section:\n" + "\n".join(lines[-40:])
+    out = []
+    for ln in lines[starts[-1] + 1:]:
+        if "seconds" not in ln:
+            break
+        out.append(ln)
+    return out
+
+
+def test_pack_imports_without_failure(comfy):
+    log = comfy.log_text()
+    section = _import_times_section(log)
+    ours = [ln for ln in section if ln.rstrip().endswith("/" + comfy.pack_link_name)]
+    assert len(ours) == 1, f"the pack is not in the import times:\n" + "\n".join(section)
+    assert "IMPORT FAILED" not in ours[0], ours[0]
+    helper = [ln for ln in section if ln.rstrip().endswith("/" + comfy.helper_pack_name)]
+    assert helper and "IMPORT FAILED" not in helper[0], "\n".join(section)
+    failures = [ln for ln in log.splitlines() if "Cannot import" in ln and comfy.pack_link_name in ln]
+    assert not failures, "\n".join(failures)
+
+
+def test_every_node_is_registered_as_declared(comfy, object_info, pack):
+    assert pack.NODE_CLASS_MAPPINGS, "the pack declares no nodes"
+    missing = sorted(set(pack.NODE_CLASS_MAPPINGS) - set(object_info))
+    assert not missing, f"not in /object_info: {missing}"
+    for name, cls in pack.NODE_CLASS_MAPPINGS.items():
+        info = object_info[name]
+        where = f"{name}: "
+        assert info["name"] == name
+        assert info["python_module"] == f"custom_nodes.{comfy.pack_link_name}", where + info["python_module"]
+        assert info["display_name"] == pack.NODE_DISPLAY_NAME_MAPPINGS.get(name, name), where + "display_name"
+        assert info["category"] == cls.CATEGORY, where + "category"
+        assert info["output"] == list(cls.RETURN_TYPES), where + "output"
+        assert info["output_node"] == bool(getattr(cls, "OUTPUT_NODE", False)), where + "output_node"
+        assert info["description"] == getattr(cls, "DESCRIPTION", ""), where + "description"
+        if hasattr(cls, "RETURN_NAMES"):
+            assert info["output_name"] == list(cls.RETURN_NAMES), where + "output_name"
+
+        local = cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            want = local.get(section) or {}
+            got = info["input"].get(section) or {}
+            assert list(got) == list(want), f"{where}{section} inputs {list(got)} != {list(want)}"
+            assert info["input_order"].get(section, []) == list(want), where + "input_order"
+            for inp, spec in want.items():
+                _check_input(comfy, object_info, f"{where}{section}.{inp}", inp, spec, got[inp])
+        assert set(info["input"].get("hidden") or {}) == set(local.get("hidden") or {}), where + "hidden"
+
+
+def _check_input(comfy, object_info, where, inp, spec, got):
+    typ = spec[0]
+    opts = _jsonable(spec[1]) if len(spec) > 1 else {}
+    got_opts = got[1] if len(got) > 1 else {}
+    if isinstance(typ, str):
+        assert got[0] == typ, f"{where}: type {got[0]!r} != {typ!r}"
+    else:  # combo
+        assert isinstance(got[0], list), f"{where}: expected a combo, got {got[0]!r}"
+        if inp in KSAMPLER_COMBOS:
+            expected = object_info["KSampler"]["input"]["required"][inp][0]
+        elif inp in MODEL_FILE_COMBOS:
+            folder = comfy.models_dir / MODEL_FILE_COMBOS[inp]
+            expected = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.safetensors"))
+            assert sorted(got[0]) == expected, f"{where}: {got[0]} != files in {folder}"
+            expected = got[0]
+        else:
+            expected = _jsonable(list(typ))
+        assert got[0] == expected, f"{where}: combo {got[0]} != {expected}"
+    assert got_opts == opts, f"{where}: options {got_opts} != {opts}"
+
+
+def test_web_extension_is_served(comfy):
+    files = sorted(p.relative_to(REPO / "web").as_posix() for p in (REPO / "web").rglob("*.js"))
+    if not files:
+        pytest.skip("the pack has no web/*.js")
+    status, listed = comfy.get_json("/extensions")
+    assert status == 200
+    for f in files:
+        url = f"/extensions/{comfy.pack_link_name}/{f}"
+        assert url in listed, f"{url} not in /extensions"
+        status, body = comfy._request("GET", url)
+        assert status == 200 and body == (REPO / "web" / f).read_bytes(), url
