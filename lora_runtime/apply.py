@@ -167,7 +167,7 @@ class LoraInjector:
             w = self.wrappers.get(name) or self._wrap(name)
             old = dict(w.slots)
             w.slots.clear()
-            w._stack_cache.clear()
+            w._invalidate()
             for pa, la in entries:
                 slot = old.get(pa.name)
                 if slot is not None and slot.layer is la:
@@ -175,6 +175,7 @@ class LoraInjector:
                     w.slots[pa.name] = slot
                 else:
                     w.add_adapter(pa.name, la, pa.spec.strength, pa.spec.enabled, content_hash=pa.adapter.content_hash)
+            w._invalidate()
         wrappers = [self.wrappers[n] for n in wanted]
         decision = decide(p.mode, wrappers, cache) if wrappers else None
         if decision is not None and decision.chosen == "merge":

@@ -59,17 +59,28 @@ def row_chunks(rows: int, cols: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         yield slice(r0, min(rows, r0 + step))
 
 
+_FP_PERIOD = 65521
+_FP_STEP = _FP_PERIOD * 64  # a multiple of the period: every chunk uses the same position weights
+_fp_weights: dict = {}
+
+
+def _position_weights(device) -> torch.Tensor:
+    w = _fp_weights.get(device)
+    if w is None:
+        w = _fp_weights[device] = torch.arange(_FP_STEP, dtype=torch.int64, device=device) % _FP_PERIOD + 1
+    return w
+
+
 def fingerprint(w: torch.Tensor) -> tuple[int, int]:
-    """Two integer checksums of the bit pattern (cheap; detects any restore slip)."""
+    """Two integer checksums of the bit pattern (cheap; detects any restore slip):
+    the sum of the bit patterns and their sum weighted by (position mod 65521) + 1."""
     flat = w.detach().reshape(-1).view(_INT_VIEW[w.dtype])
+    pos = _position_weights(flat.device)
     s0 = s1 = 0
-    n = flat.numel()
-    step = 1 << 22
-    for i in range(0, n, step):
-        part = flat[i : i + step].to(torch.int64)
-        pos = torch.arange(i, i + part.numel(), dtype=torch.int64, device=part.device) % 65521 + 1
+    for i in range(0, flat.numel(), _FP_STEP):
+        part = flat[i : i + _FP_STEP].to(torch.int64)
         s0 += int(part.sum().item())
-        s1 += int((part * pos).sum().item())
+        s1 += int((part * pos[: part.numel()]).sum().item())
     return s0, s1
 
 

@@ -32,14 +32,18 @@ def combined_factor(*factors: float) -> float:
     return math.prod(nonunit(*factors)) if nonunit(*factors) else 1.0
 
 
-def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: RuntimeContext | None) -> torch.Tensor:
+def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: RuntimeContext | None,
+                inplace: bool = False) -> torch.Tensor:
     """Apply `factors` (ordered: alpha/rank, strength, runtime scale) to `delta` per the tier.
 
-    Returns a new tensor or `delta` itself when every factor is unit.
+    `inplace=True` for a delta the caller just computed (same bits, no new allocation).
+    Returns `delta` itself when every factor is unit.
     """
+    mul = (lambda t, f: t.mul_(f)) if inplace and not (torch.is_grad_enabled() and delta.requires_grad) \
+        else (lambda t, f: t * f)
     if folds_scales(ctx):
         s = combined_factor(*factors)
-        return delta if s == 1.0 else delta * s
+        return delta if s == 1.0 else mul(delta, s)
     for f in nonunit(*factors):
-        delta = delta * f
+        delta = mul(delta, f)
     return delta

@@ -84,6 +84,12 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+def _can_add_inplace(y: torch.Tensor) -> bool:
+    """In-place accumulation into the base output: only when it is a plain contiguous tensor
+    outside autograd (a leaf-free inference output)."""
+    return y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad)
+
+
 class LoraLinear(nn.Module):
     is_lora_wrapper = True
 
@@ -95,6 +101,7 @@ class LoraLinear(nn.Module):
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
         self._stack_cache: dict = {}
+        self._plan_cache: tuple | None = None
 
     # --- read-through to the wrapped layer -----------------------------------------
     @property
@@ -127,22 +134,36 @@ class LoraLinear(nn.Module):
             raise ValueError(f"{self.layer_name}: adapter {name!r} is already attached")
         self._require_unmerged("add an adapter")
         self.slots[name] = AdapterSlot(name, layer, float(strength), enabled, content_hash=content_hash)
-        self._stack_cache.clear()
+        self._invalidate()
 
     def remove_adapter(self, name: str) -> None:
         self._require_unmerged("remove an adapter")
         del self.slots[name]
-        self._stack_cache.clear()
+        self._invalidate()
 
     def set_strength(self, name: str, strength: float) -> None:
         self._require_unmerged("change a strength")
         self.slots[name].strength = float(strength)
-        self._stack_cache.clear()
+        self._invalidate()
 
     def set_enabled(self, name: str, enabled: bool) -> None:
         self._require_unmerged("enable/disable an adapter")
         self.slots[name].enabled = bool(enabled)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Slot state changed: drop the stacked weights and the per-call plan."""
         self._stack_cache.clear()
+        self._plan_cache = None
+
+    def _call_plan(self):
+        """(weight slots not merged, slots with an output offset), cached until the state changes."""
+        if self._plan_cache is None:
+            self._plan_cache = (
+                [s for s in self._weight_slots() if not s.merged],
+                [s for s in self.slots.values() if s.contributes and s.layer.diff_b is not None],
+            )
+        return self._plan_cache
 
     def _require_unmerged(self, what: str) -> None:
         if self.merged:
@@ -218,7 +239,7 @@ class LoraLinear(nn.Module):
         for s in slots:
             s.merged = True
         self._merged_names = tuple(s.name for s in slots)
-        self._stack_cache.clear()
+        self._invalidate()
 
     def unmerge(self) -> None:
         if not self.merged:
@@ -229,7 +250,7 @@ class LoraLinear(nn.Module):
             s.merged = False
         self._restore = None
         self._merged_names = ()
-        self._stack_cache.clear()
+        self._invalidate()
 
     @property
     def restore_bytes(self) -> int:
@@ -238,36 +259,39 @@ class LoraLinear(nn.Module):
     # --- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(x, *args, **kwargs)
+        dyn, offsets = self._call_plan()
+        if not dyn and not offsets:
+            return y  # nothing live (no adapter, all off, or merged without offset)
         ctx = current_context()
         rs = ctx.scale if ctx is not None else 1.0
         if rs == 0.0:
             return y
-        dyn = [s for s in self._weight_slots() if not s.merged]
         if folds_scales(ctx):
             plain = [s for s in dyn if s.is_plain_lora]
             if plain:
                 y = self._stacked_delta(x, y, plain, rs)
             dyn = [s for s in dyn if not s.is_plain_lora]
         for s in dyn:
-            y = y + self._slot_delta(x, s, rs, ctx)
-        for s in self.slots.values():
-            if s.contributes and s.layer.diff_b is not None:
-                off = s.layer.diff_b.to(y.device, y.dtype)
-                y = y + scale_delta(off, (s.strength, rs), ctx)
+            # the delta is a fresh tensor, scaled in place; accumulate in place too (same bits)
+            d = self._slot_delta(x, s, rs, ctx)
+            y = y.add_(d) if _can_add_inplace(y) else y + d
+        for s in offsets:
+            off = s.layer.diff_b.to(y.device, y.dtype)  # may be the adapter's own tensor: never in place
+            y = y + scale_delta(off, (s.strength, rs), ctx)
         return y
 
     def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx) -> torch.Tensor:
         la = s.layer
         if la.dora_scale is not None:
             d = F.linear(x, self._dora_delta(s).to(x.dtype))  # strength is inside the DoRA delta
-            return scale_delta(d, (rs,), ctx)
+            return scale_delta(d, (rs,), ctx, inplace=True)
         delta = None
         if la.has_lowrank:
             a, b = s.tensors(x.device, x.dtype)
-            delta = scale_delta(F.linear(F.linear(x, a), b), (la.alpha_over_rank, s.strength, rs), ctx)
+            delta = scale_delta(F.linear(F.linear(x, a), b), (la.alpha_over_rank, s.strength, rs), ctx, inplace=True)
         if la.diff is not None:
-            dd = scale_delta(F.linear(x, la.diff.to(x.device, x.dtype)), (s.strength, rs), ctx)
-            delta = dd if delta is None else delta + dd
+            dd = scale_delta(F.linear(x, la.diff.to(x.device, x.dtype)), (s.strength, rs), ctx, inplace=True)
+            delta = dd if delta is None else delta.add_(dd)
         return delta
 
     def plain_stack(self, device, dtype, slots: list[AdapterSlot] | None = None):
@@ -298,8 +322,8 @@ class LoraLinear(nn.Module):
         """
         ctx = current_context()
         rs = ctx.scale if ctx is not None else 1.0
-        live = [s for s in self._weight_slots() if not s.merged]
-        if not live or self.has_output_offset or any(not s.is_plain_lora for s in live):
+        live, offsets = self._call_plan()
+        if not live or offsets or any(not s.is_plain_lora for s in live):
             return None
         a, bt, factor, vec = self.plain_stack(device, dtype, live)
         scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
@@ -310,12 +334,12 @@ class LoraLinear(nn.Module):
         a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
         h = F.linear(x, a)
         if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
-            h = h * vec.to(h.dtype)
+            h = h.mul_(vec.to(h.dtype))
             alpha = rs
         else:
             alpha = factor * rs
-        if not y.is_contiguous():
-            y = y.contiguous()
+        if not _can_add_inplace(y):
+            y = y.contiguous() if not y.requires_grad else y.clone()
         y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
         return y
 

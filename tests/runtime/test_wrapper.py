@@ -142,3 +142,22 @@ def test_state_changes_while_merged_are_refused():
     with pytest.raises(RuntimeError, match="unmerge before"):
         w.set_strength("a", 0.5)
     w.unmerge()
+
+
+@pytest.mark.parametrize("tier", ["exact", "lossless"])
+def test_autograd_path_equals_inference_path_and_backprops(tier):
+    """In-place accumulation is used only outside autograd; with grad on, the same bits and a gradient."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 12)
+    w = LoraLinear(lin, "l")
+    d, u = lora_pair(12, 16, 4, 1, 0.3)
+    w.add_adapter("a", LayerAdapter("l", down=d, up=u, alpha=2.0), 0.7)
+    w.add_adapter("b", LayerAdapter("l", diff=torch.randn(12, 16) * 0.1), 0.5)
+    x = torch.randn(3, 16)
+    with runtime_context(tier=tier, scale=0.6):
+        with torch.no_grad():
+            y0 = w(x)
+        y1 = w(x)
+    assert torch.equal(y0, y1)
+    y1.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
