@@ -1,0 +1,721 @@
+// Drives ComfyUI's editor in headless Chromium for tests/integration/test_browser.py.
+//
+//   node editor_driver.cjs CONFIG.json RESULTS.json
+//
+// CONFIG (written by the test): url, chromium, playwrightDir, screenshotDir, docsScreenshot,
+// uiWorkflow {path, name, expected}, png {path, name, expected}, samplerId, adapterId,
+// docsNodeIds, timeouts {action, load, run}.
+// `expected` is {nodeId: {type, widgets_values}} for the nodes the file holds.
+//
+// Every stage is run in order, each in its own try/catch: a failed stage is recorded
+// (error + a screenshot) and the next stage still runs where it can. The test reads
+// RESULTS and asserts stage by stage. Nothing outside 127.0.0.1 is reachable: every
+// other request is aborted (and listed in results.blockedRequests).
+"use strict";
+
+const fs = require("fs");
+const path = require("path");
+
+const [, , configPath, resultsPath] = process.argv;
+if (!configPath || !resultsPath) {
+  console.error("usage: node editor_driver.cjs CONFIG.json RESULTS.json");
+  process.exit(2);
+}
+const cfg = JSON.parse(fs.readFileSync(configPath, "utf-8"));
+const T = Object.assign({ action: 30000, load: 120000, run: 300000 }, cfg.timeouts || {});
+const pw = require(cfg.playwrightDir);
+
+const SETTING = "LoraRuntime.ShowBadges";
+const VUE_SETTING = "Comfy.VueNodes.Enabled";
+const REPORT_WIDGET = "lora_runtime_report";
+
+const results = {
+  started: new Date().toISOString(),
+  finished: false,
+  versions: {},
+  stages: {},
+  console: [],
+  pageErrors: [],
+  requestFailures: [],
+  badResponses: [],
+  blockedRequests: [],
+  screenshots: [],
+  log: [],
+};
+
+function save() {
+  fs.writeFileSync(resultsPath, JSON.stringify(results, null, 1));
+}
+
+function note(msg) {
+  const line = `${new Date().toISOString().slice(11, 23)} ${msg}`;
+  results.log.push(line);
+  console.log(line);
+}
+
+let page;
+let shotCounter = 0;
+
+async function shot(name, opts = {}) {
+  shotCounter += 1;
+  const file = path.join(cfg.screenshotDir, `${String(shotCounter).padStart(2, "0")}_${name}.png`);
+  try {
+    await page.screenshot({ path: file, timeout: T.action, ...opts });
+    results.screenshots.push({ name, path: file });
+  } catch (e) {
+    results.screenshots.push({ name, path: null, error: String(e) });
+  }
+  return file;
+}
+
+async function stage(name, fn) {
+  const rec = { ok: false };
+  results.stages[name] = rec;
+  note(`stage ${name}: start`);
+  const t0 = Date.now();
+  try {
+    await fn(rec);
+    rec.ok = true;
+  } catch (e) {
+    rec.error = String(e && e.stack ? e.stack : e);
+    note(`stage ${name}: FAILED ${String(e).split("\n")[0]}`);
+    await shot(`${name}_failed`);
+  }
+  rec.seconds = (Date.now() - t0) / 1000;
+  note(`stage ${name}: ${rec.ok ? "ok" : "failed"} in ${rec.seconds.toFixed(1)} s`);
+  save();
+  return rec.ok;
+}
+
+function ensure(cond, msg) {
+  if (!cond) throw new Error(msg);
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// ------------------------------------------------------------------ page-side helpers
+// (functions passed to page.evaluate run in the page: no closures over Node variables)
+
+function pageGraphSnapshot() {
+  const g = window.app.graph;
+  const serialized = window.app.graph.serialize();
+  const byId = {};
+  for (const n of serialized.nodes) byId[n.id] = n;
+  return {
+    count: g.nodes.length,
+    nodes: g.nodes.map((n) => ({
+      id: n.id,
+      type: n.type,
+      title: n.title,
+      widgets: (n.widgets || []).map((w) => ({
+        name: w.name,
+        type: w.type,
+        value: w.value !== null && typeof w.value === "object" ? null : w.value,
+      })),
+      widgets_values: byId[n.id] ? byId[n.id].widgets_values : undefined,
+      properties: n.properties,
+    })),
+    links: serialized.links.length,
+  };
+}
+
+function pageReportState(id) {
+  const node = window.app.graph.getNodeById(id);
+  if (!node) return { exists: false };
+  const w = (node.widgets || []).find((x) => x.name === "lora_runtime_report");
+  const el = w && w.element;
+  const body = el && el.firstElementChild;
+  const rect = (e) => {
+    if (!e) return null;
+    const r = e.getBoundingClientRect();
+    return { x: Math.round(r.x), y: Math.round(r.y), w: Math.round(r.width), h: Math.round(r.height) };
+  };
+  const shown = (e) => {
+    if (!e || !e.isConnected) return false;
+    const r = e.getBoundingClientRect();
+    if (r.width <= 0 || r.height <= 0) return false;
+    return typeof e.checkVisibility === "function"
+      ? e.checkVisibility({ checkOpacity: true, checkVisibilityCSS: true })
+      : true;
+  };
+  const vueNode = document.querySelector(`[data-node-id="${id}"]`);
+  const nodeRect = vueNode ? rect(vueNode) : null;
+  const elRect = rect(el);
+  let insideNodeBox = null;
+  let canvasNodeBox = null;
+  if (el && el.isConnected) {
+    // where the node is drawn on screen: the Vue element, or the canvas node's box
+    let box = nodeRect;
+    if (!box) {
+      const c = window.app.canvas;
+      const cr = c.canvas.getBoundingClientRect();
+      const s = c.ds.scale;
+      const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
+      box = {
+        x: Math.round(cr.x + (node.pos[0] + c.ds.offset[0]) * s),
+        y: Math.round(cr.y + (node.pos[1] - th + c.ds.offset[1]) * s),
+        w: Math.round(node.size[0] * s),
+        h: Math.round((node.size[1] + th) * s),
+      };
+    }
+    if (elRect && elRect.w > 0) {
+      insideNodeBox = elRect.x >= box.x - 2 && elRect.y >= box.y - 2
+        && elRect.x + elRect.w <= box.x + box.w + 2 && elRect.y + elRect.h <= box.y + box.h + 2;
+    }
+    canvasNodeBox = nodeRect ? null : box;
+  }
+  const rows = body ? [...body.children] : [];
+  return {
+    exists: true,
+    type: node.type,
+    hasWidget: !!w,
+    widgetType: w ? w.type : null,
+    widgetIndex: w ? node.widgets.indexOf(w) : -1,
+    widgetCount: (node.widgets || []).length,
+    connected: !!(el && el.isConnected),
+    bodyDisplay: body ? body.style.display : null,
+    visible: shown(body),
+    lines: rows.map((r) => ({ text: r.textContent, level: r.dataset.level, key: r.dataset.key, title: r.title })),
+    text: rows.map((r) => r.textContent).join("\n"),
+    elementRect: elRect,
+    vueNodeRect: nodeRect,
+    canvasNodeBox,
+    insideVueNode: vueNode ? !!(el && vueNode.contains(el)) : null,
+    insideNodeBox,
+    parentClass: el && el.parentElement ? String(el.parentElement.className) : null,
+    nodeSize: [Math.round(node.size[0]), Math.round(node.size[1])],
+    properties: Object.assign({}, node.properties),
+  };
+}
+
+function pageFocusNodes({ ids, pad, maxScale }) {
+  const c = window.app.canvas;
+  const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
+  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+  for (const id of ids) {
+    const n = window.app.graph.getNodeById(id);
+    if (!n) continue;
+    const vue = document.querySelector(`[data-node-id="${id}"]`);
+    let h = n.size[1];
+    if (vue) h = Math.max(h, vue.getBoundingClientRect().height / c.ds.scale - th);
+    x0 = Math.min(x0, n.pos[0]);
+    y0 = Math.min(y0, n.pos[1] - th);
+    x1 = Math.max(x1, n.pos[0] + n.size[0]);
+    y1 = Math.max(y1, n.pos[1] + h);
+  }
+  if (!Number.isFinite(x0)) return null;
+  const cw = c.canvas.clientWidth;
+  const ch = c.canvas.clientHeight;
+  const bw = x1 - x0;
+  const bh = y1 - y0;
+  const scale = Math.min(maxScale, (cw - 2 * pad) / bw, (ch - 2 * pad) / bh);
+  c.ds.scale = scale;
+  c.ds.offset[0] = (cw / scale - bw) / 2 - x0;
+  c.ds.offset[1] = (ch / scale - bh) / 2 - y0;
+  c.setDirty(true, true);
+  const cr = c.canvas.getBoundingClientRect();
+  return {
+    scale,
+    box: {
+      x: cr.x + (x0 + c.ds.offset[0]) * scale,
+      y: cr.y + (y0 + c.ds.offset[1]) * scale,
+      w: bw * scale,
+      h: bh * scale,
+    },
+  };
+}
+
+// ------------------------------------------------------------------ node-side helpers
+
+async function graphSnapshot() {
+  return page.evaluate(pageGraphSnapshot);
+}
+
+async function reportState(id) {
+  return page.evaluate(pageReportState, id);
+}
+
+async function focusNodes(ids, pad = 40, maxScale = 1.0) {
+  const r = await page.evaluate(pageFocusNodes, { ids, pad, maxScale });
+  await settle();
+  return r;
+}
+
+/** Let the canvas draw a few frames (DOM widgets are positioned on draw). */
+async function settle(ms = 600) {
+  await page.evaluate(() => window.app.canvas.setDirty(true, true));
+  await sleep(ms);
+  await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
+}
+
+async function waitFor(desc, fn, arg, timeout = T.action) {
+  try {
+    return await page.waitForFunction(fn, arg, { timeout, polling: 250 });
+  } catch (e) {
+    throw new Error(`timed out after ${timeout} ms waiting for ${desc}`);
+  }
+}
+
+async function setSetting(id, value) {
+  await page.evaluate(async (a) => window.app.extensionManager.setting.set(a.id, a.value), { id, value });
+  return page.evaluate((id2) => window.app.extensionManager.setting.get(id2), id);
+}
+
+/** Drop a file on the canvas the way the OS does when a user drags one in. */
+async function dropFile(filePath, name, mime) {
+  const b64 = fs.readFileSync(filePath).toString("base64");
+  return page.evaluate(
+    async (a) => {
+      const bin = atob(a.b64);
+      const bytes = new Uint8Array(bin.length);
+      for (let i = 0; i < bin.length; i += 1) bytes[i] = bin.charCodeAt(i);
+      const file = new File([bytes], a.name, { type: a.mime });
+      const dt = new DataTransfer();
+      dt.items.add(file);
+      const target = window.app.canvasEl || document.querySelector("#graph-canvas");
+      const r = target.getBoundingClientRect();
+      // an empty spot: the canvas' top-left corner area
+      const at = { clientX: r.x + 20, clientY: r.y + 20, bubbles: true, cancelable: true, dataTransfer: dt };
+      const log = [];
+      for (const type of ["dragenter", "dragover", "drop"]) {
+        const ev = new DragEvent(type, at);
+        const notCancelled = target.dispatchEvent(ev);
+        log.push({ type, defaultPrevented: !notCancelled });
+      }
+      return { target: target.id || target.tagName, files: dt.files.length, events: log };
+    },
+    { b64, name, mime },
+  );
+}
+
+function compareNodes(snapshot, expected) {
+  const problems = [];
+  const byId = {};
+  for (const n of snapshot.nodes) byId[String(n.id)] = n;
+  for (const [id, exp] of Object.entries(expected)) {
+    const got = byId[id];
+    if (!got) {
+      problems.push(`node ${id} (${exp.type}) missing`);
+      continue;
+    }
+    if (got.type !== exp.type) problems.push(`node ${id}: type ${got.type} != ${exp.type}`);
+    const a = JSON.stringify(got.widgets_values ?? []);
+    const b = JSON.stringify(exp.widgets_values ?? []);
+    if (a !== b) problems.push(`node ${id} (${exp.type}): widgets_values ${a} != ${b}`);
+  }
+  return problems;
+}
+
+async function waitForGraph(expected, desc) {
+  const ids = Object.keys(expected).map(Number);
+  const types = Object.values(expected).map((e) => e.type);
+  await waitFor(
+    desc,
+    (a) => {
+      const g = window.app && window.app.graph;
+      if (!g) return false;
+      return a.ids.every((id, i) => {
+        const n = g.getNodeById(id);
+        return n && n.type === a.types[i];
+      }) && g.nodes.length === a.ids.length;
+    },
+    { ids, types },
+    T.action,
+  );
+}
+
+async function clearGraph() {
+  await page.evaluate(() => {
+    window.app.graph.clear();
+    window.app.canvas.setDirty(true, true);
+  });
+  await waitFor("an empty graph", () => window.app.graph.nodes.length === 0, null);
+}
+
+/** Click the editor's Run button; falls back to app.queuePrompt(0) (recorded). */
+async function queueFromUi(rec) {
+  const mark = await page.evaluate(() => window.__loraIT.events.length);
+  const selectors = [
+    '[data-testid="queue-button"] button.p-splitbutton-button',
+    '[data-testid="queue-button"] button[aria-label="Run"]',
+    "button#queue-button",
+  ];
+  rec.queuedVia = null;
+  for (const sel of selectors) {
+    const loc = page.locator(sel).first();
+    if ((await loc.count()) === 0) continue;
+    try {
+      await loc.click({ timeout: 10000 });
+      rec.queuedVia = `click ${sel}`;
+      await page.mouse.move(800, 140).catch(() => {}); // off the button (empty canvas): no tooltip in the screenshots
+      break;
+    } catch (e) {
+      rec.clickError = String(e).split("\n")[0];
+    }
+  }
+  if (!rec.queuedVia) {
+    await page.evaluate(() => window.app.queuePrompt(0));
+    rec.queuedVia = "app.queuePrompt(0) (no Run button found)";
+  }
+  note(`queued via ${rec.queuedVia}`);
+  // wait for the end of the prompt this click started, or a validation failure
+  let outcome;
+  try {
+    const h = await page.waitForFunction(
+      (m) => {
+        const evs = window.__loraIT.events.slice(m);
+        const start = evs.find((e) => e.type === "execution_start");
+        const end = evs.find((e) => start && e.prompt_id === start.prompt_id
+          && ["execution_success", "execution_error", "execution_interrupted"].includes(e.type));
+        if (end) return { end: end.type, prompt_id: end.prompt_id, detail: end.detail || null };
+        const errs = window.app.lastNodeErrors;
+        if (errs && Object.keys(errs).length) return { end: "node_errors", detail: errs };
+        const dlg = [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText).join("\n");
+        if (/failed validation|Prompt execution failed/i.test(dlg)) return { end: "dialog", detail: dlg.slice(0, 2000) };
+        return false;
+      },
+      mark,
+      { timeout: T.run, polling: 250 },
+    );
+    outcome = await h.jsonValue();
+  } catch (e) {
+    throw new Error(`no end of the queued prompt within ${T.run} ms`);
+  }
+  rec.promptId = outcome.prompt_id || null;
+  rec.outcome = outcome.end;
+  if (outcome.end !== "execution_success") {
+    rec.outcomeDetail = outcome.detail;
+    throw new Error(`the queued prompt ended with ${outcome.end}: ${JSON.stringify(outcome.detail).slice(0, 1500)}`);
+  }
+  rec.executedNodes = await page.evaluate(
+    (a) => window.__loraIT.events.slice(a.m).filter((e) => e.type === "executed" && e.prompt_id === a.pid)
+      .map((e) => String(e.node)),
+    { m: mark, pid: rec.promptId },
+  );
+  return rec.promptId;
+}
+
+async function waitForReport(id, desc, extra = null) {
+  await waitFor(
+    desc,
+    (a) => {
+      const n = window.app.graph.getNodeById(a.id);
+      const w = n && (n.widgets || []).find((x) => x.name === "lora_runtime_report");
+      const body = w && w.element && w.element.firstElementChild;
+      if (!body || !body.children.length || !w.element.isConnected) return false;
+      if (a.extra && a.extra.notProperty !== undefined
+        && n.properties[a.extra.property] === a.extra.notProperty) return false;
+      return true;
+    },
+    { id, extra },
+    T.action,
+  );
+  await settle();
+  return reportState(id);
+}
+
+// ------------------------------------------------------------------ the run
+
+async function main() {
+  fs.mkdirSync(cfg.screenshotDir, { recursive: true });
+  // a fresh profile (the test passes an empty temp folder) with the flags that work as root here
+  const context = await pw.chromium.launchPersistentContext(cfg.userDataDir, {
+    executablePath: cfg.chromium,
+    headless: true,
+    timeout: T.load,
+    viewport: { width: 1600, height: 1000 },
+    deviceScaleFactor: 1,
+    args: [
+      "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+      "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    ],
+  });
+  const browser = context.browser();
+  results.versions.chromium = browser ? browser.version() : null;
+  try {
+    page = context.pages()[0] || (await context.newPage());
+    page.setDefaultTimeout(T.action);
+    const origin = new URL(cfg.url).origin;
+    await context.route("**/*", (route) => {
+      const u = route.request().url();
+      if (u.startsWith(origin) || u.startsWith("data:") || u.startsWith("blob:")) return route.continue();
+      results.blockedRequests.push(u);
+      return route.abort("blockedbyclient");
+    });
+    page.on("console", (m) => {
+      const loc = m.location() || {};
+      results.console.push({ type: m.type(), text: m.text(), url: loc.url || "", line: loc.lineNumber ?? null,
+        stage: currentStage });
+    });
+    page.on("pageerror", (e) => results.pageErrors.push({ message: e.message, stack: e.stack || "",
+      stage: currentStage }));
+    page.on("requestfailed", (r) => results.requestFailures.push({ url: r.url(),
+      error: (r.failure() || {}).errorText || "", stage: currentStage }));
+    page.on("response", (r) => {
+      if (r.status() >= 400) results.badResponses.push({ status: r.status(), url: r.url(), stage: currentStage });
+    });
+
+    // 1. the editor ------------------------------------------------------------
+    currentStage = "load";
+    const loaded = await stage("load", async (rec) => {
+      await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: T.load });
+      await waitFor("the editor (window.app with a graph and the Vue app ready)",
+        () => window.app && window.app.graph && window.app.canvas && window.app.vueAppReady
+          && window.app.extensionManager && window.app.extensionManager.setting, null, T.load);
+      // the default workflow is loaded a moment after the app is ready
+      await waitFor("the start-up workflow", () => window.app.graph.nodes.length > 0, null, T.action).catch(() => {});
+      await settle(1000);
+      Object.assign(rec, await page.evaluate(() => ({
+        frontendVersion: window.__COMFYUI_FRONTEND_VERSION__ || null,
+        extensions: window.app.extensions.map((e) => e.name),
+        showBadges: window.app.extensionManager.setting.get("LoraRuntime.ShowBadges"),
+        settingRegistered: !!(window.app.ui.settings.settingsLookup || {})["LoraRuntime.ShowBadges"]
+          || window.app.extensionManager.setting.get("LoraRuntime.ShowBadges") !== undefined,
+        vueSettingKnown: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled") !== undefined,
+        vueNodes: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled"),
+        startNodes: window.app.graph.nodes.length,
+        runButton: !!document.querySelector('[data-testid="queue-button"]'),
+        openDialogs: [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText.slice(0, 120)),
+      })));
+      results.versions.frontend = rec.frontendVersion;
+      // the test seeds Comfy.Minimap.Visible=false (the minimap panel covers the canvas' corner)
+      rec.minimapVisible = await page.evaluate(() => window.app.extensionManager.setting.get("Comfy.Minimap.Visible"));
+      ensure(rec.extensions.includes("comfyui_lora_runtime.report"),
+        "the pack's extension comfyui_lora_runtime.report is not registered");
+      // websocket events, recorded for the whole session
+      await page.evaluate(() => {
+        window.__loraIT = { events: [] };
+        const types = ["execution_start", "execution_success", "execution_error", "execution_interrupted",
+          "execution_cached", "executed"];
+        for (const t of types) {
+          window.app.api.addEventListener(t, (e) => {
+            const d = e.detail || {};
+            window.__loraIT.events.push({
+              type: t,
+              prompt_id: d.prompt_id,
+              node: d.display_node ?? d.node ?? null,
+              detail: t === "execution_error" || t === "execution_interrupted" ? d : undefined,
+              at: Date.now(),
+            });
+          });
+        }
+      });
+      await shot("editor_loaded");
+    });
+    if (!loaded) return;
+
+    // 2. drag-and-drop the UI workflow file ----------------------------------------
+    currentStage = "drop_json";
+    await stage("drop_json", async (rec) => {
+      await clearGraph();
+      rec.method = "drop event with a DataTransfer holding a File, dispatched on the canvas element";
+      rec.dispatch = await dropFile(cfg.uiWorkflow.path, cfg.uiWorkflow.name, "application/json");
+      await waitForGraph(cfg.uiWorkflow.expected, `the nodes of ${cfg.uiWorkflow.name}`);
+      await settle();
+      const snap = await graphSnapshot();
+      rec.graph = snap;
+      rec.problems = compareNodes(snap, cfg.uiWorkflow.expected);
+      rec.workflowName = await page.evaluate(() => {
+        const w = window.app.extensionManager.workflow && window.app.extensionManager.workflow.activeWorkflow;
+        return w ? (w.filename || w.path || null) : null;
+      });
+      await page.evaluate(() => window.app.canvas.ds && window.app.canvas.setDirty(true, true));
+      await focusNodes(Object.keys(cfg.uiWorkflow.expected).map(Number), 30, 1.0);
+      await shot("dropped_ui_workflow");
+      ensure(!rec.problems.length, rec.problems.join("; "));
+    });
+
+    // 3. drag-and-drop a PNG the pack saved ------------------------------------------
+    currentStage = "drop_png";
+    await stage("drop_png", async (rec) => {
+      await clearGraph();
+      rec.method = "drop event with a DataTransfer holding a PNG File, dispatched on the canvas element";
+      rec.dispatch = await dropFile(cfg.png.path, cfg.png.name, "image/png");
+      await waitForGraph(cfg.png.expected, `the nodes of the workflow in ${cfg.png.name}`);
+      await settle();
+      const snap = await graphSnapshot();
+      rec.graph = snap;
+      rec.problems = compareNodes(snap, cfg.png.expected);
+      await focusNodes(Object.keys(cfg.png.expected).map(Number), 30, 1.0);
+      await shot("dropped_png");
+      ensure(!rec.problems.length, rec.problems.join("; "));
+    });
+
+    // 4. queue it from the UI and read the report ---------------------------------------
+    currentStage = "run";
+    const ran = await stage("run", async (rec) => {
+      const expected = cfg.png.expected;
+      const haveGraph = await page.evaluate(
+        (ids) => ids.every((id) => window.app.graph.getNodeById(id)), Object.keys(expected).map(Number));
+      if (!haveGraph) {
+        // the drop failed: load the same workflow through the API so the rest still runs
+        await page.evaluate((wf) => window.app.loadGraphData(wf, true, true, "fallback"),
+          JSON.parse(fs.readFileSync(cfg.uiWorkflow.path, "utf-8")));
+        rec.loadedViaFallback = true;
+      }
+      await focusNodes(cfg.docsNodeIds, 30, 1.0);
+      rec.before = await reportState(cfg.samplerId);
+      await queueFromUi(rec);
+      rec.sampler = await waitForReport(cfg.samplerId, "the sampler's report widget");
+      rec.adapter = await waitForReport(cfg.adapterId, "the adapter node's coverage widget");
+      rec.settingValue = await page.evaluate((s) => window.app.extensionManager.setting.get(s), SETTING);
+      await shot("report_after_run");
+      if (cfg.docsScreenshot) {
+        // the whole workflow at 100 %: a wider window for this one picture
+        const vp = page.viewportSize();
+        const big = cfg.docsViewport || { width: 2400, height: 900 };
+        await page.setViewportSize(big);
+        await settle(1000);
+        const f = await focusNodes(cfg.docsShotNodeIds || cfg.docsNodeIds, 48, 1.0);
+        const clip = {
+          x: Math.max(0, Math.floor(f.box.x - 16)),
+          y: Math.max(0, Math.floor(f.box.y - 40)),
+          width: Math.ceil(f.box.w + 32),
+          height: Math.ceil(f.box.h + 56),
+        };
+        clip.width = Math.min(clip.width, big.width - clip.x);
+        clip.height = Math.min(clip.height, big.height - clip.y);
+        rec.docsClip = clip;
+        rec.docsScale = f.scale;
+        await page.screenshot({ path: cfg.docsScreenshot, clip, timeout: T.action });
+        results.screenshots.push({ name: "docs", path: cfg.docsScreenshot });
+        await page.setViewportSize(vp);
+        await settle(1000);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+      }
+      ensure(rec.sampler.visible, "the sampler's report is not visible");
+      ensure(rec.adapter.visible, "the adapter node's coverage is not visible");
+    });
+
+    // 5. the ShowBadges setting ------------------------------------------------------------
+    currentStage = "toggle";
+    if (ran) {
+      await stage("toggle", async (rec) => {
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        rec.on0 = await reportState(cfg.samplerId);
+        rec.offValue = await setSetting(SETTING, false);
+        await settle();
+        rec.off = await reportState(cfg.samplerId);
+        rec.offAdapter = await reportState(cfg.adapterId);
+        await shot("badges_off");
+        rec.onValue = await setSetting(SETTING, true);
+        await settle();
+        rec.on = await reportState(cfg.samplerId);
+        rec.onAdapter = await reportState(cfg.adapterId);
+        await shot("badges_on_again");
+      });
+    }
+
+    // 6. the report comes back from node.properties when the saved workflow is loaded ----------
+    currentStage = "restore";
+    if (ran) {
+      await stage("restore", async (rec) => {
+        const saved = await page.evaluate(() => window.app.graph.serialize());
+        rec.savedProperties = (saved.nodes.find((n) => n.id === cfg.samplerId) || {}).properties;
+        await clearGraph();
+        await page.evaluate((wf) => window.app.loadGraphData(wf, true, true, "lora-runtime-restored"), saved);
+        await waitForGraph(cfg.png.expected, "the re-loaded workflow");
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        rec.sampler = await waitForReport(cfg.samplerId, "the restored report widget");
+        rec.adapter = await waitForReport(cfg.adapterId, "the restored coverage widget");
+        // the report widget adds nothing to widgets_values (saved workflow) nor to the prompt
+        rec.problems = compareNodes(await graphSnapshot(), cfg.png.expected);
+        rec.promptInputs = await page.evaluate(async (id) => {
+          const p = await window.app.graphToPrompt();
+          return Object.keys(p.output[String(id)].inputs);
+        }, cfg.samplerId);
+        await shot("report_restored_from_properties");
+      });
+    }
+
+    // 7. the Vue node renderer ("Nodes 2.0") ---------------------------------------------------
+    currentStage = "vue";
+    if (ran) {
+      await stage("vue", async (rec) => {
+        rec.available = await page.evaluate((s) => {
+          const store = window.app.extensionManager.setting;
+          return store.get(s) !== undefined;
+        }, VUE_SETTING);
+        if (!rec.available) return;
+        rec.enabledValue = await setSetting(VUE_SETTING, true);
+        await waitFor("Vue nodes ([data-node-id] elements)",
+          (id) => !!document.querySelector(`[data-node-id="${id}"]`), cfg.samplerId, T.action);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        await settle(1500);
+        rec.vueNodeCount = await page.evaluate(() => document.querySelectorAll("[data-node-id]").length);
+        rec.afterSwitch = await reportState(cfg.samplerId);
+        rec.adapterAfterSwitch = await reportState(cfg.adapterId);
+        await shot("vue_nodes_report_after_switch");
+        // a new run with the Vue renderer on (another seed, so the sampler runs again)
+        const oldProp = rec.afterSwitch.properties.lora_runtime_report;
+        rec.seedSet = await page.evaluate((id) => {
+          const n = window.app.graph.getNodeById(id);
+          const w = n.widgets.find((x) => x.name === "seed");
+          w.value = Number(w.value) + 1;
+          if (w.callback) w.callback(w.value);
+          return w.value;
+        }, cfg.samplerId);
+        const run = {};
+        rec.run = run;
+        await queueFromUi(run);
+        // the node received the new report (stored in its properties), shown or not
+        await waitFor("the sampler's new report in node.properties",
+          (a) => {
+            const n = window.app.graph.getNodeById(a.id);
+            const v = n && n.properties && n.properties.lora_runtime_report;
+            return typeof v === "string" && v !== a.old;
+          }, { id: cfg.samplerId, old: oldProp }, T.action);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        await settle(1000);
+        rec.afterRun = await reportState(cfg.samplerId);
+        await shot("vue_nodes_report_after_run");
+        rec.offValue = await setSetting(SETTING, false);
+        await settle(1000);
+        rec.off = await reportState(cfg.samplerId);
+        await shot("vue_nodes_badges_off");
+        rec.onValue = await setSetting(SETTING, true);
+        await settle(1000);
+        rec.on = await reportState(cfg.samplerId);
+        await shot("vue_nodes_badges_on_again");
+      });
+      // back to the classic canvas: the report must be shown there again
+      currentStage = "classic_again";
+      await stage("classic_again", async (rec) => {
+        rec.vueValue = await setSetting(VUE_SETTING, false);
+        await waitFor("the classic canvas (no [data-node-id] elements)",
+          () => !document.querySelector("[data-node-id]"), null, T.action);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        await settle(1000);
+        rec.sampler = await reportState(cfg.samplerId);
+        rec.adapter = await reportState(cfg.adapterId);
+        await shot("classic_canvas_again");
+      });
+    }
+    currentStage = "end";
+    results.finished = true;
+  } finally {
+    save();
+    await context.close().catch(() => {});
+  }
+}
+
+let currentStage = "start";
+const hardStop = setTimeout(() => {
+  results.error = `driver hard stop after ${cfg.hardStopSeconds} s`;
+  save();
+  process.exit(3);
+}, (cfg.hardStopSeconds || 1200) * 1000);
+
+main()
+  .then(() => {
+    clearTimeout(hardStop);
+    save();
+    process.exit(0);
+  })
+  .catch((e) => {
+    clearTimeout(hardStop);
+    results.error = String(e && e.stack ? e.stack : e);
+    save();
+    console.error(results.error);
+    process.exit(1);
+  });

@@ -1,0 +1,509 @@
+"""The pack's frontend extension in a real browser: ComfyUI's editor in headless Chromium.
+
+One driver run (``browser/editor_driver.cjs``, Node + playwright-core, no browser
+download: the system Chromium) goes through the editor the way a user does, stage by
+stage, and writes what it saw to a JSON file; the tests below check it stage by stage:
+
+1. the editor loads with the pack's extension (console and page errors recorded from the start);
+2. a UI-format workflow file is dragged onto the canvas: a ``drop`` event whose
+   DataTransfer holds the File, dispatched on the canvas element (the editor's own
+   document-level drop handler loads it) - our nodes keep their widget values;
+3. a PNG the pack saved (the bundled host's SaveImage, ``python -m comfyui_lora_runtime
+   run``: ``prompt``/``workflow`` text chunks) is dropped the same way;
+4. the Run button is clicked; after execution_success the sampler shows its report
+   (merge decision, adapter coverage, ...) in its DOM widget, the adapter node its
+   coverage, and ``node.properties`` hold the same report as ``/history``;
+5. ``LoraRuntime.ShowBadges`` off hides the report (and shrinks the node), on shows it;
+6. the saved workflow re-loaded shows the report again from ``node.properties``;
+7. the Vue node renderer (``Comfy.VueNodes.Enabled``, frontend 1.27: hidden/experimental):
+   a run updates the report, and the report should be shown inside the node;
+8. the classic canvas again; and no console/page errors beyond the listed benign ones.
+
+Workflow: ``workflows/embedded_style.ui.json`` with the embedded model when its files are
+in ``models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
+tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
+
+Environment (the tests skip, saying why, without them; nothing is downloaded):
+
+- ``LORA_RUNTIME_CHROMIUM``: a Chromium/Chrome binary (e.g. ``/usr/bin/chromium``);
+- ``LORA_RUNTIME_PLAYWRIGHT_DIR``: a playwright-core package folder
+  (e.g. ``/work/browser-tools/node_modules/playwright-core``);
+- ``LORA_RUNTIME_NODE``: the node binary (default: ``node`` on PATH);
+- ``LORA_RUNTIME_BROWSER_MODEL=reference``: use the reference tiny Wan even when the embedded
+  model is there;
+- ``LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT=1``: also write ``docs/editor_lora_nodes.png``
+  (otherwise the candidate goes to ``test-output/browser/`` only).
+
+Screenshots of every stage: ``test-output/browser/`` (gitignored).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DRIVER = HERE / "browser" / "editor_driver.cjs"
+SCREENSHOT_DIR = REPO / "test-output" / "browser"
+DOCS_SCREENSHOT = REPO / "docs" / "editor_lora_nodes.png"
+DOCS_MAX_BYTES = 300 * 1024
+
+ENV_CHROMIUM = "LORA_RUNTIME_CHROMIUM"
+ENV_PLAYWRIGHT = "LORA_RUNTIME_PLAYWRIGHT_DIR"
+ENV_NODE = "LORA_RUNTIME_NODE"
+ENV_UPDATE_DOCS = "LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT"
+
+WORKFLOW = REPO / "workflows" / "embedded_style.ui.json"
+API_WORKFLOW = REPO / "workflows" / "embedded_style.api.json"
+EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
+EMBEDDED_LORAS = REPO / "models" / "loras"
+REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"
+FALLBACK_LORA = "it_browser_style.safetensors"
+
+# node ids in embedded_style.ui.json
+UNET_ID, ADAPTER_ID, MODE_ID, TIER_ID, SAMPLER_ID = 1, 2, 3, 4, 8
+DOCS_NODE_IDS = [UNET_ID, ADAPTER_ID, MODE_ID, TIER_ID, SAMPLER_ID]
+OUR_TYPES = ("LoraRuntimeLoadAdapter", "LoraRuntimeMergeMode", "LoraRuntimeQualityTier", "LoraRuntimeSampler")
+
+PROMPT_TIMEOUT_S = float(os.environ.get("COMFYUI_PROMPT_TIMEOUT", "300"))
+DRIVER_TIMEOUT_S = 300 + 3 * PROMPT_TIMEOUT_S  # load + 2 runs + every bounded wait, with room
+PNG_TIMEOUT_S = 600
+
+# Console messages / page errors ComfyUI 0.3.64 + frontend 1.27.10 produce on their own in a
+# fresh --base-directory with no network; nothing else may show up. (type, text regex, url regex)
+BENIGN_CONSOLE = [
+    # a fresh user folder: no user.css, no saved workflows / subgraphs, no templates index
+    ("error", r"^Failed to load resource: the server responded with a status of 404 \(Not Found\)$",
+     r"^http://127\.0\.0\.1:\d+/(api/userdata/user\.css|user\.css|api/userdata/comfy\.templates\.json"
+     r"|api/userdata\?dir=(workflows|subgraphs%2F)&.*)$"),
+    # requests off 127.0.0.1 (api.comfy.org release notes) are aborted by the driver
+    ("error", r"^Failed to load resource: net::ERR_BLOCKED_BY_CLIENT", r"^https?://(?!127\.0\.0\.1[:/])"),
+]
+BENIGN_PAGE_ERRORS = [
+    # frontend 1.27.10, first start of a new user: the Comfy.Canvas.NavigationMode setting's
+    # onChange sets Comfy.Canvas.LeftMouseClickBehavior before that setting is registered
+    # (useSettingStore.set -> onChange(undefined...) -> setting.id); core code only.
+    (r"^Cannot read properties of undefined \(reading 'id'\)$", r"at Proxy\.addSetting \(.*/assets/index-"),
+]
+OUR_EXTENSION_URL = "/extensions/comfyui-lora-runtime/"
+
+# the browser tools first: without them every test skips before the ComfyUI server starts
+pytestmark = pytest.mark.usefixtures("browser_tools")
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def png_text_chunks(path: Path) -> dict[str, str]:
+    """tEXt / zTXt / iTXt chunks of a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    pos, out = 8, {}
+    while pos + 8 <= len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        if kind == b"tEXt":
+            k, _, v = body.partition(b"\0")
+            out[k.decode("latin-1")] = v.decode("latin-1")
+        elif kind == b"zTXt":
+            k, _, v = body.partition(b"\0")
+            out[k.decode("latin-1")] = zlib.decompress(v[1:]).decode("latin-1")
+        elif kind == b"iTXt":
+            k, _, rest = body.partition(b"\0")
+            compressed, rest = rest[0], rest[2:]
+            _lang, _, rest = rest.partition(b"\0")
+            _tkey, _, text = rest.partition(b"\0")
+            out[k.decode("utf-8")] = (zlib.decompress(text) if compressed else text).decode("utf-8")
+        elif kind == b"IEND":
+            break
+        pos += 12 + n
+    return out
+
+
+def expected_nodes(ui_workflow: dict) -> dict[str, dict]:
+    return {str(n["id"]): {"type": n["type"], "widgets_values": n.get("widgets_values", [])}
+            for n in ui_workflow["nodes"]}
+
+
+def write_kohya_lora(path: Path, *, seed: int, rank: int = 4, alpha: float = 4.0) -> None:
+    """A kohya adapter for every linear of the reference tiny Wan (dim 128, 2 blocks)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dim, ffn = 128, 512
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for b in range(2):
+        mods = [(f"blocks.{b}.{a}.{p}", dim, dim) for a in ("self_attn", "cross_attn") for p in "qkvo"]
+        mods += [(f"blocks.{b}.ffn.0", dim, ffn), (f"blocks.{b}.ffn.2", ffn, dim)]
+        for name, fan_in, fan_out in mods:
+            sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
+            sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(fan_out, rank, generator=g)
+                                                            * (0.5 * math.sqrt(rank) / alpha))
+            sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(alpha))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path), metadata={"written_by": "comfyui-lora-runtime browser tests"})
+
+
+def _embedded_files_present(ui: dict) -> bool:
+    if not EMBEDDED_MODEL.is_file():
+        return False
+    loras = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "LoraRuntimeLoadAdapter"]
+    return all((EMBEDDED_LORAS / name).is_file() for name in loras)
+
+
+def _is_benign_console(entry: dict) -> bool:
+    return any(entry["type"] == t and re.search(text, entry["text"]) and re.search(url, entry.get("url") or "")
+               for t, text, url in BENIGN_CONSOLE)
+
+
+def _is_benign_page_error(err: dict) -> bool:
+    if OUR_EXTENSION_URL in (err.get("stack") or ""):
+        return False
+    return any(re.search(msg, err["message"]) and re.search(stack, err.get("stack") or "")
+               for msg, stack in BENIGN_PAGE_ERRORS)
+
+
+# ---------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")  # session: checked before the (session) ComfyUI server starts
+def browser_tools() -> dict:
+    chromium = os.environ.get(ENV_CHROMIUM)
+    playwright = os.environ.get(ENV_PLAYWRIGHT)
+    node = os.environ.get(ENV_NODE) or shutil.which("node")
+    missing = []
+    if not chromium or not os.access(chromium, os.X_OK):
+        missing.append(f"{ENV_CHROMIUM} (a Chromium binary, e.g. /usr/bin/chromium; now {chromium!r})")
+    if not playwright or not (Path(playwright) / "package.json").is_file():
+        missing.append(f"{ENV_PLAYWRIGHT} (a playwright-core package folder; now {playwright!r})")
+    if not node or not shutil.which(node):
+        missing.append(f"{ENV_NODE} or node on PATH (now {node!r})")
+    if missing:
+        pytest.skip("browser tests need " + "; ".join(missing))
+    return {"chromium": chromium, "playwright": str(Path(playwright).resolve()), "node": shutil.which(node)}
+
+
+@pytest.fixture(scope="module")
+def editor_assets(browser_tools, comfy, tmp_path_factory) -> dict:
+    """The workflow to drop (embedded_style.ui.json, or the same graph on the reference tiny Wan),
+    its models in the server's models folder, and a PNG the pack saved from it."""
+    work = tmp_path_factory.mktemp("browser-assets")
+    ui = json.loads(WORKFLOW.read_text(encoding="utf-8"))
+    api = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
+    if _embedded_files_present(ui) and os.environ.get("LORA_RUNTIME_BROWSER_MODEL") != "reference":
+        mode = "embedded"
+        shutil.copyfile(EMBEDDED_MODEL, comfy.diffusion_models_dir / EMBEDDED_MODEL.name)
+        for f in EMBEDDED_LORAS.rglob("*.safetensors"):
+            dst = comfy.loras_dir / f.relative_to(EMBEDDED_LORAS)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
+    else:
+        mode = "reference"
+        ref = Path(os.environ.get("LORA_RUNTIME_REFERENCE_DIR") or REPO.parent / "shared" / "reference")
+        shutil.copyfile(ref / REFERENCE_MODEL, comfy.diffusion_models_dir / REFERENCE_MODEL)
+        write_kohya_lora(comfy.loras_dir / FALLBACK_LORA, seed=404)
+        for n in ui["nodes"]:
+            if n["type"] == "UNETLoader":
+                n["widgets_values"][0] = REFERENCE_MODEL
+            elif n["type"] == "LoraRuntimeLoadAdapter":
+                n["widgets_values"][0] = FALLBACK_LORA
+        for n in api.values():
+            if n["class_type"] == "UNETLoader":
+                n["inputs"]["unet_name"] = REFERENCE_MODEL
+            elif n["class_type"] == "LoraRuntimeLoadAdapter":
+                n["inputs"]["lora_name"] = FALLBACK_LORA
+    wf_path = work / WORKFLOW.name  # the name the editor shows for the dropped file
+    wf_path.write_text(json.dumps(ui, indent=1), encoding="utf-8")
+
+    # a PNG the pack saved: the bundled host's SaveImage (prompt + workflow chunks) ...
+    out = work / "png"
+    png_source = None
+    if importlib.util.find_spec("comfyui_lora_runtime") is not None:
+        cmd = [sys.executable, "-m", "comfyui_lora_runtime", "run", str(wf_path), "--output", str(out),
+               "--models", str(comfy.models_dir)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PNG_TIMEOUT_S, cwd=str(work))
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        png_source = "bundled host: python -m comfyui_lora_runtime run (SaveImage)"
+    else:
+        # ... or, without the pack importable here, ComfyUI's own SaveImage from a queued run
+        status, answer = comfy.post_json("/prompt", {"prompt": api, "client_id": comfy.client_id,
+                                                     "extra_data": {"extra_pnginfo": {"workflow": ui}}})
+        assert status == 200, answer
+        record = comfy.wait(answer["prompt_id"])
+        for item in (record["executed"].get("10") or {}).get("images", []):
+            raw = comfy.fetch_image(item["filename"], item.get("subfolder", ""), item.get("type", "output"))
+            out.mkdir(parents=True, exist_ok=True)
+            (out / item["filename"]).write_bytes(raw)
+        png_source = "ComfyUI SaveImage (POST /prompt with extra_pnginfo.workflow)"
+    pngs = sorted(out.rglob("*.png"))
+    assert pngs, f"no PNG written under {out}"
+    png = pngs[0]
+    chunks = png_text_chunks(png)
+    assert "workflow" in chunks and "prompt" in chunks, f"{png.name}: text chunks {sorted(chunks)}"
+    png_workflow = json.loads(chunks["workflow"])
+    return {"mode": mode, "workflow_path": wf_path, "workflow": ui, "png_path": png, "png_source": png_source,
+            "png_workflow": png_workflow, "adapter_name": next(
+                n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "LoraRuntimeLoadAdapter")}
+
+
+@pytest.fixture(scope="module")
+def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dict:
+    """Run the driver once; its results (stages, console, screenshots) for the tests below."""
+    work = tmp_path_factory.mktemp("browser-run")
+    if SCREENSHOT_DIR.exists():
+        for old in SCREENSHOT_DIR.glob("*.png"):
+            old.unlink()
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    # a returning user: no "Get started with a template" dialog over the canvas; and no minimap
+    # panel over the canvas' bottom-right corner (set before the editor starts: switching it off
+    # later makes frontend 1.27.10 log "Attempted to cleanup event listeners for graph that was
+    # never set up")
+    status, _ = comfy.post_json("/settings", {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False})
+    assert status == 200
+    comfy.free()  # no cached node outputs: every node of the first run executes (and reports)
+    time.sleep(1.0)
+    update_docs = os.environ.get(ENV_UPDATE_DOCS) == "1"
+    cfg = {
+        "url": comfy.url + "/",
+        "chromium": browser_tools["chromium"],
+        "playwrightDir": browser_tools["playwright"],
+        "userDataDir": str(work / "chromium-profile"),
+        "screenshotDir": str(SCREENSHOT_DIR),
+        "docsScreenshot": str(DOCS_SCREENSHOT if update_docs else SCREENSHOT_DIR / "editor_lora_nodes.png"),
+        "uiWorkflow": {"path": str(editor_assets["workflow_path"]), "name": editor_assets["workflow_path"].name,
+                       "expected": expected_nodes(editor_assets["workflow"])},
+        "png": {"path": str(editor_assets["png_path"]), "name": editor_assets["png_path"].name,
+                "expected": expected_nodes(editor_assets["png_workflow"])},
+        "samplerId": SAMPLER_ID,
+        "adapterId": ADAPTER_ID,
+        "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
+        "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
+        "docsViewport": {"width": 2400, "height": 900},
+        "assetsMode": editor_assets["mode"],
+        "pngSource": editor_assets["png_source"],
+        "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},
+        "hardStopSeconds": int(DRIVER_TIMEOUT_S),
+    }
+    cfg_path, res_path = work / "config.json", work / "results.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # 127.0.0.1 only
+    try:
+        proc = subprocess.run([browser_tools["node"], str(DRIVER), str(cfg_path), str(res_path)],
+                              capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S + 60, env=env)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"driver killed after {DRIVER_TIMEOUT_S + 60:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+    if not res_path.is_file():
+        pytest.fail(f"the browser driver wrote no results:\n{output}\n{comfy.log_tail()}")
+    results = json.loads(res_path.read_text(encoding="utf-8"))
+    results["driver_output"] = output
+    results["config"] = cfg
+    (SCREENSHOT_DIR / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def _stage(session: dict, name: str) -> dict:
+    st = session["stages"].get(name)
+    if st is None:
+        pytest.fail(f"stage {name!r} did not run (driver: {session.get('error')})\n"
+                    + "\n".join(session.get("log", [])))
+    return st
+
+
+def _ok(session: dict, name: str) -> dict:
+    st = _stage(session, name)
+    assert st["ok"], f"stage {name} failed: {st.get('error')}\n" + "\n".join(session.get("log", []))
+    return st
+
+
+def _history_outputs(comfy, prompt_id: str) -> dict:
+    entry = comfy.history(prompt_id)
+    assert entry.get("status", {}).get("completed"), f"prompt {prompt_id} not completed: {entry.get('status')}"
+    return entry["outputs"]
+
+
+def _check_report_text(report_state: dict, report: dict, adapter_name: str) -> None:
+    """The widget's lines say what the report says: decision first, then the adapter coverage."""
+    lines = [ln["text"] for ln in report_state["lines"]]
+    assert lines, "the report widget is empty"
+    chosen = report["decision"]["chosen"]
+    word = {"merge": "merged", "dynamic": "dynamic"}[chosen]
+    assert lines[0].startswith(word), f"decision line {lines[0]!r} does not say {word!r} (chosen: {chosen})"
+    cov = report["adapters"][0]["coverage"]
+    coverage_line = [ln for ln in lines if ln.startswith(adapter_name)]
+    assert coverage_line, f"no coverage line for {adapter_name} in {lines}"
+    assert f"{cov['matched']}/{cov['file_layers']} layers" in coverage_line[0], coverage_line[0]
+    assert any(ln.startswith(f"tier {report['tier']} · mode {report['mode_requested']}") for ln in lines), lines
+
+
+# ---------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------
+def test_editor_loads_with_our_extension(editor_session):
+    st = _ok(editor_session, "load")
+    assert "comfyui_lora_runtime.report" in st["extensions"]
+    assert st["showBadges"] is True, "LoraRuntime.ShowBadges should default to on"
+    assert st["runButton"], "no Run button ([data-testid=queue-button]) in the editor"
+    assert st["frontendVersion"], "window.__COMFYUI_FRONTEND_VERSION__ not set"
+
+
+def test_drop_ui_workflow_file_loads_our_nodes_with_their_values(editor_session, editor_assets):
+    st = _ok(editor_session, "drop_json")
+    assert [e["type"] for e in st["dispatch"]["events"]] == ["dragenter", "dragover", "drop"]
+    assert st["dispatch"]["events"][-1]["defaultPrevented"], "the editor did not handle the drop"
+    assert st["problems"] == []
+    nodes = {n["id"]: n for n in st["graph"]["nodes"]}
+    for t in OUR_TYPES:
+        assert any(n["type"] == t for n in nodes.values()), f"{t} not in the dropped graph"
+    widgets = {w["name"]: w["value"] for w in nodes[SAMPLER_ID]["widgets"]}
+    file_nodes = {n["id"]: n for n in editor_assets["workflow"]["nodes"]}
+    seed, control, steps, cfg, sampler_name, scheduler, denoise = file_nodes[SAMPLER_ID]["widgets_values"]
+    assert (widgets["seed"], widgets["steps"], widgets["cfg"], widgets["sampler_name"], widgets["scheduler"],
+            widgets["denoise"]) == (seed, steps, cfg, sampler_name, scheduler, denoise), widgets
+    adapter = {w["name"]: w["value"] for w in nodes[ADAPTER_ID]["widgets"]}
+    assert adapter["lora_name"] == editor_assets["adapter_name"] and adapter["strength"] == 1.0, adapter
+    assert {w["name"]: w["value"] for w in nodes[MODE_ID]["widgets"]}["mode"] == file_nodes[MODE_ID]["widgets_values"][0]
+    assert {w["name"]: w["value"] for w in nodes[TIER_ID]["widgets"]}["tier"] == file_nodes[TIER_ID]["widgets_values"][0]
+    assert len(st["graph"]["nodes"]) == len(file_nodes) and st["graph"]["links"] == len(
+        editor_assets["workflow"]["links"])
+
+
+def test_drop_png_saved_by_the_pack_loads_its_workflow(editor_session, editor_assets):
+    st = _ok(editor_session, "drop_png")
+    assert st["dispatch"]["events"][-1]["defaultPrevented"]
+    assert st["problems"] == []
+    types = sorted(n["type"] for n in st["graph"]["nodes"])
+    assert types == sorted(n["type"] for n in editor_assets["png_workflow"]["nodes"])
+    for t in OUR_TYPES:
+        assert t in types
+
+
+def test_run_button_shows_the_report_on_our_nodes(editor_session, editor_assets, comfy):
+    st = _ok(editor_session, "run")
+    assert st["queuedVia"].startswith("click "), f"queued via {st['queuedVia']} (Run button not clickable)"
+    assert st["outcome"] == "execution_success"
+    assert not st.get("loadedViaFallback")
+    assert str(SAMPLER_ID) in st["executedNodes"] and str(ADAPTER_ID) in st["executedNodes"], st["executedNodes"]
+    outputs = _history_outputs(comfy, st["promptId"])
+    report = outputs[str(SAMPLER_ID)]["lora_report"][0]
+    coverage = outputs[str(ADAPTER_ID)]["lora_coverage"]
+
+    before = st["before"]
+    assert not before["hasWidget"] and "lora_runtime_report" not in before["properties"]
+
+    sampler = st["sampler"]
+    assert sampler["hasWidget"] and sampler["widgetType"] == "lora_runtime_report"
+    assert sampler["connected"] and sampler["visible"], sampler
+    assert sampler["insideNodeBox"], f"report drawn outside its node: {sampler['elementRect']} vs " \
+                                     f"{sampler['canvasNodeBox']}"
+    assert json.loads(sampler["properties"]["lora_runtime_report"]) == report
+    assert sampler["properties"]["lora_runtime_summary"] == " | ".join(ln["text"] for ln in sampler["lines"])
+    _check_report_text(sampler, report, editor_assets["adapter_name"])
+
+    adapter = st["adapter"]
+    assert adapter["connected"] and adapter["visible"] and adapter["insideNodeBox"], adapter
+    assert json.loads(adapter["properties"]["lora_coverage"]) == coverage
+    cov = coverage[0]
+    assert adapter["lines"][0]["text"].startswith(f"{editor_assets['adapter_name']}: "
+                                                  f"{cov['matched']}/{cov['file_layers']} layers")
+    shot = Path(editor_session["config"]["docsScreenshot"])
+    assert st["docsClip"] and shot.is_file() and shot.stat().st_size < DOCS_MAX_BYTES, f"{shot}: {shot.stat().st_size} bytes"
+
+
+def test_show_badges_setting_hides_and_shows_the_report(editor_session):
+    st = _ok(editor_session, "toggle")
+    assert st["on0"]["visible"]
+    assert st["offValue"] is False and st["onValue"] is True
+    off, on = st["off"], st["on"]
+    assert not off["visible"] and off["bodyDisplay"] == "none", off
+    assert not st["offAdapter"]["visible"], st["offAdapter"]
+    assert off["nodeSize"][1] < st["on0"]["nodeSize"][1], "the node did not shrink with the report hidden"
+    assert on["visible"] and on["text"] == st["on0"]["text"], on
+    assert st["onAdapter"]["visible"]
+    assert on["nodeSize"][1] >= st["on0"]["nodeSize"][1] - 1
+    # the report is kept while hidden
+    assert off["properties"]["lora_runtime_report"] == st["on0"]["properties"]["lora_runtime_report"]
+
+
+def test_report_comes_back_when_the_saved_workflow_is_loaded(editor_session):
+    run = _ok(editor_session, "run")
+    st = _ok(editor_session, "restore")
+    assert st["savedProperties"]["lora_runtime_report"] == run["sampler"]["properties"]["lora_runtime_report"]
+    assert st["sampler"]["visible"] and st["sampler"]["text"] == run["sampler"]["text"]
+    assert st["adapter"]["visible"] and st["adapter"]["text"] == run["adapter"]["text"]
+    # the DOM widget is not serialized: widgets_values and the prompt are the workflow's own
+    assert st["problems"] == []
+    assert "lora_runtime_report" not in st["promptInputs"], st["promptInputs"]
+    assert {"seed", "steps", "cfg", "sampler_name", "scheduler", "denoise", "model"} <= set(st["promptInputs"])
+
+
+def test_vue_nodes_run_updates_the_report(editor_session, comfy):
+    st = _ok(editor_session, "vue")
+    if not st["available"]:
+        pytest.skip("this frontend has no Comfy.VueNodes.Enabled setting (no Vue node renderer)")
+    assert st["enabledValue"] is True and st["vueNodeCount"] >= 10
+    run = st["run"]
+    assert run["outcome"] == "execution_success" and run["queuedVia"].startswith("click ")
+    report = _history_outputs(comfy, run["promptId"])[str(SAMPLER_ID)]["lora_report"][0]
+    props = st["afterRun"]["properties"]
+    assert json.loads(props["lora_runtime_report"]) == report
+    assert props["lora_runtime_report"] != st["afterSwitch"]["properties"]["lora_runtime_report"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "pack bug (web/lora_runtime.js): with the Vue node renderer on (frontend 1.27.10) the report "
+    "is not shown at all: Vue nodes only render widgets whose type is in the Vue widget registry "
+    "(NodeWidgets: shouldRenderAsVue), so the 'lora_runtime_report' DOM widget is skipped, and the "
+    "DOM-widget overlay (DomWidgets) is not mounted in Vue mode; the element stays detached"))
+def test_vue_nodes_show_the_report_inside_the_node(editor_session):
+    st = _ok(editor_session, "vue")
+    if not st["available"]:
+        pytest.skip("this frontend has no Comfy.VueNodes.Enabled setting (no Vue node renderer)")
+    for key in ("afterSwitch", "afterRun", "on"):
+        state = st[key]
+        assert state["connected"] and state["visible"] and state["insideVueNode"], (key, state)
+    assert not st["off"]["visible"]
+
+
+def test_classic_canvas_shows_the_report_again(editor_session):
+    st = _ok(editor_session, "classic_again")
+    assert st["vueValue"] is False
+    assert st["sampler"]["visible"] and st["sampler"]["insideNodeBox"], st["sampler"]
+    assert st["adapter"]["visible"], st["adapter"]
+
+
+def test_no_console_or_page_errors(editor_session):
+    assert editor_session.get("finished"), f"the driver did not finish: {editor_session.get('error')}"
+    errors = [c for c in editor_session["console"] if c["type"] == "error" and not _is_benign_console(c)]
+    ours = [c for c in editor_session["console"]
+            if c["type"] in ("error", "warning") and OUR_EXTENSION_URL in (c.get("url") or "")]
+    page_errors = [e for e in editor_session["pageErrors"] if not _is_benign_page_error(e)]
+    assert not ours, json.dumps(ours, indent=1)
+    assert not errors, json.dumps(errors, indent=1)
+    assert not page_errors, json.dumps(page_errors, indent=1)
+    ext_failures = [r for r in editor_session["requestFailures"] if OUR_EXTENSION_URL in r["url"]]
+    ext_bad = [r for r in editor_session["badResponses"] if OUR_EXTENSION_URL in r["url"]]
+    assert not ext_failures and not ext_bad, (ext_failures, ext_bad)
+
+
+def test_every_stage_left_a_screenshot(editor_session):
+    shots = editor_session["screenshots"]
+    missing = [s for s in shots if not s.get("path") or not Path(s["path"]).is_file()]
+    assert not missing, missing
+    names = [s["name"] for s in shots]
+    for name in ("editor_loaded", "dropped_ui_workflow", "dropped_png", "report_after_run", "badges_off",
+                 "badges_on_again", "report_restored_from_properties", "classic_canvas_again", "docs"):
+        assert name in names, f"no {name} screenshot: {names}"
