@@ -3,17 +3,31 @@
 //
 // - The report a node receives (`executed` UI output) is kept in node.properties,
 //   so it is saved with the workflow and shown again when the workflow is loaded.
-// - It is rendered in a DOM widget (node.addDOMWidget): the classic canvas lays the
-//   element over the canvas, the Vue node renderer ("Nodes 2.0") puts the same
-//   element inside the node. No canvas draw hooks are used.
-// - Setting "LoraRuntime.ShowBadges" hides / shows it.
-// Every frontend API use is guarded; nothing here may throw into ComfyUI.
+// - Classic LiteGraph canvas: it is rendered in a DOM widget (node.addDOMWidget,
+//   type "lora_runtime_report", not serialized), which the canvas' DOM-widget
+//   overlay lays over the node; the node is widened so the lines fit (up to
+//   MAX_NODE_WIDTH; longer lines end in an ellipsis, the tooltip has the text).
+// - Vue node renderer ("Nodes 2.0", setting Comfy.VueNodes.Enabled): that renderer
+//   draws none of this. It only renders widgets whose type is in its own widget
+//   registry, and in frontend 1.27 it copies a node's widget list when the node is
+//   added / the graph is configured / the mode is switched on, re-renders a node's
+//   widgets only when their number changes, and does not show later value changes
+//   of its text widgets; the DOM-widget overlay is off. So a report that arrives
+//   after a run could not be shown (or hidden) through a widget there. Instead the
+//   same lines are rendered into a second element that is placed inside the Vue
+//   node's own element (its body, under the widgets), and put back there when the
+//   renderer re-creates the node's DOM. Nothing is added to node.widgets for it.
+// - Setting "LoraRuntime.ShowBadges" hides / shows it; a change of
+//   Comfy.VueNodes.Enabled moves it between the two places.
+// No canvas draw hooks are used. Every frontend API use is guarded; nothing here
+// may throw into ComfyUI.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { formatPayload, payloadFromOutput, summarize } from "./lora_report_format.js";
 
 const SETTING_ID = "LoraRuntime.ShowBadges";
+const VUE_SETTING_ID = "Comfy.VueNodes.Enabled";
 const WIDGET_NAME = "lora_runtime_report";
 const WIDGET_TYPE = "lora_runtime_report"; // a type no core widget renderer claims
 const SUMMARY_PROPERTY = "lora_runtime_summary";
@@ -25,8 +39,12 @@ const NODE_TYPES = {
 
 const LINE_PX = 16;
 const PAD_PX = 4;
+const SIDE_PAD_PX = 6; // left / right padding of the report body
 const MARGIN_PX = 10; // room for the DOM widget's margin in the classic canvas
 const MIN_NODE_WIDTH = 280;
+const MAX_NODE_WIDTH = 480; // the classic node is widened to fit its lines up to this
+const VUE_MAX_WIDTH_PX = 440; // the report inside a Vue node wraps beyond this
+const VUE_CHECK_MS = 250; // how often a Vue-mode report is checked to be in its node
 const COLORS = {
   ok: "var(--lora-runtime-ok, #5fb760)",
   warn: "var(--lora-runtime-warn, #e0a030)",
@@ -38,6 +56,8 @@ const STATE = Symbol("loraRuntime");
 const PATCHED = Symbol("loraRuntimePatched");
 const trackedNodes = new Set();
 let showBadges = null; // null until a setting value is known
+let vueNodesOverride = null; // the value a Comfy.VueNodes.Enabled change announced
+let vueTimer = null;
 
 function quietly(fn) {
   try {
@@ -64,13 +84,18 @@ function badgesEnabled() {
 }
 
 function vueNodesActive() {
-  return readSetting("Comfy.VueNodes.Enabled") === true;
+  // The change event comes before the store holds the new value.
+  if (typeof vueNodesOverride === "boolean") return vueNodesOverride;
+  return readSetting(VUE_SETTING_ID) === true;
 }
 
 function nodeState(node) {
   if (!node[STATE]) {
     Object.defineProperty(node, STATE, {
-      value: { widget: null, root: null, body: null, lines: 0, lastOutput: null },
+      value: {
+        widget: null, root: null, body: null, vueRoot: null, vueBody: null, items: [], lines: 0,
+        lastOutput: null,
+      },
       enumerable: false,
     });
   }
@@ -96,32 +121,41 @@ function loadPayload(node, spec) {
   });
 }
 
-// ---------------------------------------------------------------- DOM widget
+// ---------------------------------------------------------------- elements
 
+function makeReportElement(doc, vue) {
+  const root = doc.createElement("div");
+  root.className = vue ? "lora-runtime-report lora-runtime-vue" : "lora-runtime-report";
+  Object.assign(root.style, {
+    boxSizing: "border-box",
+    overflow: "hidden",
+    font: `11px/${LINE_PX}px sans-serif`,
+    pointerEvents: "auto",
+  });
+  if (vue) {
+    // a block in the Vue node's body (a flex column); the node sizes itself to it
+    Object.assign(root.style, { margin: "0 16px", maxWidth: `${VUE_MAX_WIDTH_PX}px` });
+  } else {
+    Object.assign(root.style, { width: "100%", height: "100%" });
+  }
+  const body = doc.createElement("div");
+  Object.assign(body.style, {
+    padding: `${PAD_PX / 2}px ${SIDE_PAD_PX}px`,
+    borderRadius: "4px",
+    background: "var(--comfy-input-bg, rgba(0, 0, 0, 0.25))",
+  });
+  root.appendChild(body);
+  return { root, body };
+}
+
+// The classic canvas' DOM widget.
 function ensureWidget(node) {
   const st = nodeState(node);
   if (st.widget) return st;
   const doc = globalThis.document;
   if (!doc || typeof node.addDOMWidget !== "function") return st;
 
-  const root = doc.createElement("div");
-  root.className = "lora-runtime-report";
-  Object.assign(root.style, {
-    boxSizing: "border-box",
-    width: "100%",
-    height: "100%",
-    overflow: "hidden",
-    font: `11px/${LINE_PX}px sans-serif`,
-    pointerEvents: "auto",
-  });
-  const body = doc.createElement("div");
-  Object.assign(body.style, {
-    padding: `${PAD_PX / 2}px 6px`,
-    borderRadius: "4px",
-    background: "var(--comfy-input-bg, rgba(0, 0, 0, 0.25))",
-  });
-  root.appendChild(body);
-
+  const { root, body } = makeReportElement(doc, false);
   const widget = quietly(() => node.addDOMWidget(WIDGET_NAME, WIDGET_TYPE, root, {
     serialize: false, // not a prompt input, not part of widgets_values
     hideOnZoom: true,
@@ -137,6 +171,20 @@ function ensureWidget(node) {
   st.widget = widget;
   st.root = root;
   st.body = body;
+  renderLines(st.body, st.items, false);
+  return st;
+}
+
+// The element shown inside a Vue node (no widget: see the header comment).
+function ensureVueElement(node) {
+  const st = nodeState(node);
+  if (st.vueRoot) return st;
+  const doc = globalThis.document;
+  if (!doc) return st;
+  const { root, body } = makeReportElement(doc, true);
+  st.vueRoot = root;
+  st.vueBody = body;
+  renderLines(st.vueBody, st.items, true);
   return st;
 }
 
@@ -146,26 +194,26 @@ function widgetHeight(node) {
   return st.lines * LINE_PX + PAD_PX + 2 * MARGIN_PX;
 }
 
-function renderLines(st, items) {
-  const doc = globalThis.document;
-  const body = st.body;
-  if (!doc || !body) return;
-  const rows = items.map((item) => {
-    const row = doc.createElement("div");
-    row.className = `lora-runtime-badge lora-runtime-${item.level}`;
-    row.dataset.key = String(item.key);
-    row.dataset.level = String(item.level);
-    row.textContent = String(item.text ?? "");
-    row.title = String(item.title || item.text || "");
-    Object.assign(row.style, {
-      color: COLORS[item.level] || COLORS.info,
-      whiteSpace: "nowrap",
-      overflow: "hidden",
-      textOverflow: "ellipsis",
-      fontWeight: item.level === "warn" || item.level === "error" ? "600" : "normal",
-    });
-    return row;
+function makeRow(doc, item, wrap) {
+  const row = doc.createElement("div");
+  row.className = `lora-runtime-badge lora-runtime-${item.level}`;
+  row.dataset.key = String(item.key);
+  row.dataset.level = String(item.level);
+  row.textContent = String(item.text ?? "");
+  row.title = String(item.title || item.text || "");
+  Object.assign(row.style, {
+    color: COLORS[item.level] || COLORS.info,
+    fontWeight: item.level === "warn" || item.level === "error" ? "600" : "normal",
   });
+  if (wrap) Object.assign(row.style, { whiteSpace: "normal", overflowWrap: "anywhere" });
+  else Object.assign(row.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
+  return row;
+}
+
+function renderLines(body, items, wrap) {
+  const doc = globalThis.document;
+  if (!doc || !body) return;
+  const rows = (items || []).map((item) => makeRow(doc, item, wrap));
   if (typeof body.replaceChildren === "function") body.replaceChildren(...rows);
   else {
     while (body.firstChild) body.removeChild(body.firstChild);
@@ -173,9 +221,111 @@ function renderLines(st, items) {
   }
 }
 
+/** Width in px the widest line needs on one line (0 when it cannot be measured). */
+function measureLines(items) {
+  return quietly(() => {
+    const doc = globalThis.document;
+    const host = doc?.body;
+    if (!doc || !host || typeof host.appendChild !== "function" || !items?.length) return 0;
+    const probe = doc.createElement("div");
+    Object.assign(probe.style, {
+      position: "absolute",
+      left: "-10000px",
+      top: "0",
+      visibility: "hidden",
+      width: "max-content",
+      font: `11px/${LINE_PX}px sans-serif`,
+    });
+    const rows = items.map((item) => makeRow(doc, item, false));
+    for (const r of rows) probe.appendChild(r);
+    host.appendChild(probe);
+    let widest = 0;
+    try {
+      for (const r of rows) widest = Math.max(widest, Number(r.scrollWidth) || 0);
+    } finally {
+      if (typeof probe.remove === "function") probe.remove();
+      else host.removeChild?.(probe);
+    }
+    return widest;
+  }) || 0;
+}
+
+/** Node width at which no line is cut, capped at MAX_NODE_WIDTH. */
+function fittingWidth(st) {
+  const text = measureLines(st.items);
+  if (!text) return 0;
+  // DOM widget margin and body padding on both sides, and a pixel or two of rounding
+  return Math.min(MAX_NODE_WIDTH, Math.ceil(text) + 2 * MARGIN_PX + 2 * SIDE_PAD_PX + 2);
+}
+
+// ---------------------------------------------------------------- placement
+
+function vueNodeBody(node) {
+  return quietly(() => {
+    const doc = globalThis.document;
+    if (!doc || typeof doc.querySelector !== "function") return null;
+    const current = app?.canvas?.graph ?? app?.graph;
+    if (current && node.graph && node.graph !== current) return null; // not on screen
+    const id = String(node.id).replace(/["\\]/g, "\\$&");
+    const host = doc.querySelector(`[data-node-id="${id}"]`);
+    if (!host || typeof host.querySelector !== "function") return null;
+    // the node's body (slots, widgets, content); absent while the node is collapsed
+    return host.querySelector(`[data-testid="node-body-${id}"]`);
+  }) ?? null;
+}
+
+function detachVue(st) {
+  quietly(() => {
+    const r = st?.vueRoot;
+    if (r && r.parentNode) {
+      if (typeof r.remove === "function") r.remove();
+      else r.parentNode.removeChild(r);
+    }
+  });
+}
+
+/** Vue mode: keep the report element inside the node's element. Returns true while needed. */
+function placeVue(node) {
+  const st = node[STATE];
+  if (!st) return false;
+  if (!vueNodesActive() || !st.lines) {
+    detachVue(st);
+    return false;
+  }
+  ensureVueElement(node);
+  if (!st.vueRoot) return false;
+  const display = badgesEnabled() ? "" : "none";
+  if (st.vueBody.style.display !== display) st.vueBody.style.display = display;
+  const target = vueNodeBody(node);
+  if (target && st.vueRoot.parentNode !== target) quietly(() => target.appendChild(st.vueRoot));
+  return true;
+}
+
+function checkVueNodes() {
+  let needed = false;
+  for (const node of trackedNodes) {
+    if (quietly(() => placeVue(node))) needed = true;
+  }
+  if (!needed) stopVueWatch();
+}
+
+function startVueWatch() {
+  if (vueTimer !== null || typeof setInterval !== "function") return;
+  vueTimer = setInterval(checkVueNodes, VUE_CHECK_MS);
+  quietly(() => vueTimer?.unref?.()); // never keeps a non-browser host (tests) alive
+}
+
+function stopVueWatch() {
+  if (vueTimer === null) return;
+  clearInterval(vueTimer);
+  vueTimer = null;
+}
+
 function applyVisibility(node) {
   const st = node[STATE];
-  if (!st || !st.body) return;
+  if (!st) return;
+  if (placeVue(node)) startVueWatch();
+  if (!st.body) return;
   const visible = badgesEnabled() && st.lines > 0;
   st.body.style.display = visible ? "" : "none";
   fitNode(node, !visible);
@@ -191,7 +341,8 @@ function fitNode(node, shrink) {
     if (typeof node.computeSize !== "function" || typeof node.setSize !== "function") return;
     const need = node.computeSize();
     const size = node.size || [0, 0];
-    const width = Math.max(size[0] || 0, need[0] || 0, MIN_NODE_WIDTH);
+    const fit = shrink ? 0 : fittingWidth(node[STATE]);
+    const width = Math.max(size[0] || 0, need[0] || 0, MIN_NODE_WIDTH, fit);
     const height = shrink ? need[1] : Math.max(size[1] || 0, need[1] || 0);
     if (width !== size[0] || height !== size[1]) node.setSize([width, height]);
     node.setDirtyCanvas?.(true, true);
@@ -203,18 +354,20 @@ function fitNode(node, shrink) {
 function show(node, spec, payload, { persist }) {
   const items = formatPayload(spec.kind, payload);
   if (persist) storePayload(node, spec, payload, items);
+  const st = nodeState(node);
+  st.items = items;
+  st.lines = items.length;
   if (!items.length) {
-    const st = node[STATE];
-    if (st) st.lines = 0;
+    renderLines(st.body, items, false);
+    renderLines(st.vueBody, items, true);
     applyVisibility(node);
     return;
   }
-  // No widget while the badges are off: nothing to hide, nothing to lay out.
-  if (!badgesEnabled() && !node[STATE]?.widget) return;
-  const st = ensureWidget(node);
-  if (!st.widget) return;
-  st.lines = items.length;
-  renderLines(st, items);
+  // No elements while the badges are off: nothing to hide, nothing to lay out.
+  if (!badgesEnabled() && !st.widget && !st.vueRoot) return;
+  ensureWidget(node);
+  renderLines(st.body, items, false);
+  renderLines(st.vueBody, items, true);
   applyVisibility(node);
 }
 
@@ -236,12 +389,26 @@ function restore(node, spec) {
 function refreshAll() {
   for (const node of trackedNodes) {
     quietly(() => {
-      const spec = NODE_TYPES[node[STATE]?.type];
+      const st = node[STATE];
+      const spec = NODE_TYPES[st?.type];
       if (!spec) return;
-      if (node[STATE].widget) applyVisibility(node);
+      if (st.widget || st.vueRoot) applyVisibility(node);
       else if (badgesEnabled()) restore(node, spec);
     });
   }
+}
+
+function onVueSettingChange(event) {
+  quietly(() => {
+    const value = event?.detail?.value;
+    vueNodesOverride = typeof value === "boolean" ? value : null;
+    refreshAll();
+    // once the store holds the value and the renderer has switched
+    setTimeout(() => quietly(() => {
+      vueNodesOverride = null;
+      refreshAll();
+    }), 0);
+  });
 }
 
 function chain(proto, name, after) {
@@ -277,6 +444,7 @@ function patchNodeType(nodeType, comfyClass) {
   });
   chain(proto, "onRemoved", function () {
     trackedNodes.delete(this);
+    detachVue(this[STATE]);
   });
 }
 
@@ -321,5 +489,13 @@ quietly(() => app.registerExtension({
     quietly(() => {
       if (api && typeof api.addEventListener === "function") api.addEventListener("executed", onExecutedEvent);
     });
+    quietly(() => {
+      // the settings dialog dispatches "<id>.change" for every setting change
+      const settings = app?.ui?.settings;
+      if (settings && typeof settings.addEventListener === "function") {
+        settings.addEventListener(`${VUE_SETTING_ID}.change`, onVueSettingChange);
+      }
+    });
+    quietly(() => refreshAll());
   },
 }));

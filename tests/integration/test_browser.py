@@ -12,11 +12,13 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    run``: ``prompt``/``workflow`` text chunks) is dropped the same way;
 4. the Run button is clicked; after execution_success the sampler shows its report
    (merge decision, adapter coverage, ...) in its DOM widget, the adapter node its
-   coverage, and ``node.properties`` hold the same report as ``/history``;
+   coverage (each node widened so its coverage line is not cut), and ``node.properties``
+   hold the same report as ``/history``;
 5. ``LoraRuntime.ShowBadges`` off hides the report (and shrinks the node), on shows it;
 6. the saved workflow re-loaded shows the report again from ``node.properties``;
 7. the Vue node renderer (``Comfy.VueNodes.Enabled``, frontend 1.27: hidden/experimental):
-   a run updates the report, and the report should be shown inside the node;
+   the report is shown inside the node's element (switched on with a report there, after a
+   run in Vue mode: the new report, setting off/on), and nothing is added to the prompt;
 8. the classic canvas again; and no console/page errors beyond the listed benign ones.
 
 Workflow: ``workflows/embedded_style.ui.json`` with the embedded model when its files are
@@ -349,6 +351,25 @@ def _check_report_text(report_state: dict, report: dict, adapter_name: str) -> N
     assert any(ln.startswith(f"tier {report['tier']} · mode {report['mode_requested']}") for ln in lines), lines
 
 
+def _check_lines_fit(report_state: dict, adapter_name: str) -> None:
+    """The coverage line is shown whole on the classic canvas at the default size."""
+    coverage_line = [ln for ln in report_state["lines"] if ln["text"].startswith(adapter_name)]
+    assert coverage_line, report_state["lines"]
+    ln = coverage_line[0]
+    assert 0 < ln["clientWidth"] and ln["scrollWidth"] <= ln["clientWidth"], \
+        f"coverage line cut off: {ln['text']!r} needs {ln['scrollWidth']} px, has {ln['clientWidth']} px " \
+        f"(node size {report_state['nodeSize']})"
+    assert report_state["nodeSize"][0] <= 480 + 1, report_state["nodeSize"]
+
+
+def _check_vue_report(state: dict, key: str) -> None:
+    """The report is shown inside the node's own element (Vue node renderer)."""
+    assert state["shownBy"] == "vue-node", (key, state)
+    assert state["connected"] and state["visible"] and state["insideVueNode"], (key, state)
+    assert state["lines"] and state["text"].strip(), (key, state)
+    assert " | ".join(ln["text"] for ln in state["lines"]) == state["properties"]["lora_runtime_summary"], (key, state)
+
+
 # ---------------------------------------------------------------------------
 # the tests
 # ---------------------------------------------------------------------------
@@ -413,8 +434,12 @@ def test_run_button_shows_the_report_on_our_nodes(editor_session, editor_assets,
     assert sampler["properties"]["lora_runtime_summary"] == " | ".join(ln["text"] for ln in sampler["lines"])
     _check_report_text(sampler, report, editor_assets["adapter_name"])
 
+    # the most important line is not cut: the node was widened to fit it (up to 480 px)
+    _check_lines_fit(sampler, editor_assets["adapter_name"])
+
     adapter = st["adapter"]
     assert adapter["connected"] and adapter["visible"] and adapter["insideNodeBox"], adapter
+    _check_lines_fit(adapter, editor_assets["adapter_name"])
     assert json.loads(adapter["properties"]["lora_coverage"]) == coverage
     cov = coverage[0]
     assert adapter["lines"][0]["text"].startswith(f"{editor_assets['adapter_name']}: "
@@ -463,26 +488,39 @@ def test_vue_nodes_run_updates_the_report(editor_session, comfy):
     assert props["lora_runtime_report"] != st["afterSwitch"]["properties"]["lora_runtime_report"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pack bug (web/lora_runtime.js): with the Vue node renderer on (frontend 1.27.10) the report "
-    "is not shown at all: Vue nodes only render widgets whose type is in the Vue widget registry "
-    "(NodeWidgets: shouldRenderAsVue), so the 'lora_runtime_report' DOM widget is skipped, and the "
-    "DOM-widget overlay (DomWidgets) is not mounted in Vue mode; the element stays detached"))
-def test_vue_nodes_show_the_report_inside_the_node(editor_session):
+def test_vue_nodes_show_the_report_inside_the_node(editor_session, editor_assets, comfy):
     st = _ok(editor_session, "vue")
     if not st["available"]:
         pytest.skip("this frontend has no Comfy.VueNodes.Enabled setting (no Vue node renderer)")
+    assert not st.get("waitErrors"), st["waitErrors"]
     for key in ("afterSwitch", "afterRun", "on"):
-        state = st[key]
-        assert state["connected"] and state["visible"] and state["insideVueNode"], (key, state)
-    assert not st["off"]["visible"]
+        _check_vue_report(st[key], key)
+    _check_vue_report(st["adapterAfterSwitch"], "adapterAfterSwitch")
+    _check_vue_report(st["adapterAfterRun"], "adapterAfterRun")
+    # after the run in Vue mode it shows the new report (the summary is stored from it)
+    report = _history_outputs(comfy, st["run"]["promptId"])[str(SAMPLER_ID)]["lora_report"][0]
+    assert json.loads(st["afterRun"]["properties"]["lora_runtime_report"]) == report
+    _check_report_text(st["afterRun"], report, editor_assets["adapter_name"])
+    assert st["on"]["text"] == st["afterRun"]["text"]
+    # hidden with the setting off
+    assert not st["off"]["visible"], st["off"]
+    # nothing was added to the node's widgets for it, nothing goes into the prompt / widgets_values
+    assert st["afterRun"]["widgetCount"] == st["afterSwitch"]["widgetCount"]
+    assert "lora_runtime_report" not in st["promptInputs"]["inputs"], st["promptInputs"]
+    n_values = len(next(n for n in editor_assets["workflow"]["nodes"] if n["id"] == SAMPLER_ID)["widgets_values"])
+    assert len(st["promptInputs"]["widgetsValues"]) == n_values, st["promptInputs"]
 
 
 def test_classic_canvas_shows_the_report_again(editor_session):
     st = _ok(editor_session, "classic_again")
     assert st["vueValue"] is False
+    assert st["sampler"]["shownBy"] == "dom-widget", st["sampler"]
     assert st["sampler"]["visible"] and st["sampler"]["insideNodeBox"], st["sampler"]
     assert st["adapter"]["visible"], st["adapter"]
+    vue = _ok(editor_session, "vue")
+    if vue["available"]:
+        # the lines of the run made in Vue mode
+        assert st["sampler"]["text"] == vue["afterRun"]["text"], (st["sampler"]["text"], vue["afterRun"]["text"])
 
 
 def test_no_console_or_page_errors(editor_session):

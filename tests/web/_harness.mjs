@@ -14,6 +14,7 @@ export const app = {
   extensions: [],
   settingValues: {},
   extensionManager: { setting: { get: (id) => app.settingValues[id] } },
+  ui: { settings: new EventTarget() }, // the legacy settings dialog: dispatches "<id>.change"
   graph: { nodes: new Map(), getNodeById: (id) => app.graph.nodes.get(String(id)) },
   registerExtension(ext) { app.extensions.push(ext); },
 };
@@ -58,7 +59,9 @@ export class FakeElement {
     this.tagName = String(tag).toUpperCase();
     this.style = {};
     this.dataset = {};
+    this.attrs = {};
     this.children = [];
+    this.parentNode = null;
     this.textContent = "";
     this.title = "";
     this.className = "";
@@ -67,29 +70,82 @@ export class FakeElement {
   get firstChild() {
     return this.children[0] ?? null;
   }
+  get parentElement() {
+    return this.parentNode;
+  }
+  get isConnected() {
+    let e = this;
+    while (e.parentNode) e = e.parentNode;
+    return e === globalThis.document?.body;
+  }
+  /** 6 px a character on one line; a container is as wide as its widest child. */
+  get scrollWidth() {
+    if (!this.children.length) return String(this.textContent).length * 6;
+    return Math.max(...this.children.map((c) => c.scrollWidth));
+  }
+  setAttribute(name, value) {
+    this.attrs[name] = String(value);
+  }
   appendChild(c) {
+    c.parentNode?.removeChild(c);
+    c.parentNode = this;
     this.children.push(c);
     return c;
   }
   removeChild(c) {
     this.children = this.children.filter((x) => x !== c);
+    c.parentNode = null;
     return c;
+  }
+  remove() {
+    this.parentNode?.removeChild(this);
   }
   replaceChildren(...cs) {
     this.replaceCount += 1;
-    this.children = cs;
+    for (const c of this.children) c.parentNode = null;
+    this.children = [];
+    for (const c of cs) this.appendChild(c);
+  }
+  /** Only `[attr="value"]` selectors, searched depth first. */
+  querySelector(sel) {
+    const m = /^\[([\w-]+)="(.*)"\]$/.exec(sel);
+    if (!m) return null;
+    for (const c of this.children) {
+      if (c.attrs[m[1]] === m[2]) return c;
+      const found = c.querySelector(sel);
+      if (found) return found;
+    }
+    return null;
   }
 }
 
 export function installFakeDocument() {
-  globalThis.document = { createElement: (tag) => new FakeElement(tag) };
+  const body = new FakeElement("body");
+  globalThis.document = {
+    body,
+    createElement: (tag) => new FakeElement(tag),
+    querySelector: (sel) => body.querySelector(sel),
+  };
+}
+
+/** What the Vue node renderer puts in the page for a node: its element and its body. */
+export function addVueNode(id) {
+  const host = new FakeElement("div");
+  host.setAttribute("data-node-id", String(id));
+  const body = new FakeElement("div");
+  body.setAttribute("data-testid", `node-body-${id}`);
+  host.appendChild(body);
+  globalThis.document.body.appendChild(host);
+  return { host, body };
 }
 
 /** A stand-in for a ComfyUI node class (LGraphNode subset the extension uses). */
+let nextNodeId = 1; // unique over every class, as in one graph
+
 export function makeNodeClass({ withDomWidgets = true } = {}) {
   class FakeNode {
     constructor() {
-      this.id = FakeNode.nextId++;
+      this.id = nextNodeId++;
       this.properties = {};
       this.size = [200, 120];
       this.widgets = [];
@@ -105,7 +161,6 @@ export function makeNodeClass({ withDomWidgets = true } = {}) {
     }
     setDirtyCanvas() {}
   }
-  FakeNode.nextId = 1;
   if (withDomWidgets) {
     FakeNode.prototype.addDOMWidget = function (name, type, element, options) {
       const w = { name, type, element, options };

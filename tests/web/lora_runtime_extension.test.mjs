@@ -8,7 +8,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, test } from "node:test";
 
-import { WEB_DIR, fullReport, installFakeDocument, makeNodeClass, tree } from "./_harness.mjs";
+import { WEB_DIR, addVueNode, fullReport, installFakeDocument, makeNodeClass, tree } from "./_harness.mjs";
 
 const urls = tree();
 installFakeDocument();
@@ -247,4 +247,110 @@ test("api `executed` fallback renders once; the same output via onExecuted is no
   api.dispatchEvent(new CustomEvent("executed", { detail: null }));
   await new Promise((r) => setTimeout(r, 5));
   app.graph.nodes.delete(String(node.id));
+});
+
+const vueMode = (value) => {
+  // the settings dialog announces the change before the store holds the value
+  app.ui.settings.dispatchEvent(new CustomEvent("Comfy.VueNodes.Enabled.change", { detail: { value } }));
+  app.settingValues["Comfy.VueNodes.Enabled"] = value;
+};
+const vueRoot = (body) => body.children.find((c) => String(c.className).includes("lora-runtime-vue"));
+
+test("classic canvas: the node is widened to fit its longest line, up to 480 px", async () => {
+  setting(true);
+  const Loader = await register("LoraRuntimeLoadAdapter");
+  const node = create(Loader);
+  const adapter = "a_long_adapter_name_for_the_width_test.safetensors";
+  node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
+  const line = rows(node)[0];
+  assert.equal(line.textContent, `${adapter}: 40/40 layers (kohya)`);
+  // the harness measures 6 px a character; + DOM widget margin, body padding, rounding
+  const need = line.textContent.length * 6 + 2 * 10 + 2 * 6 + 2;
+  assert.ok(need > 280 && need < 480, need);
+  assert.equal(node.size[0], need, "widened to fit the line");
+  assert.equal(node.size[0] - 2 * 10 - 2 * 6 >= line.scrollWidth, true, "the line is not cut");
+  assert.equal(document.body.children.length, 0, "the measuring element is removed");
+  // a node the user made wider stays as wide
+  node.setSize([600, node.size[1]]);
+  node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
+  assert.equal(node.size[0], 600);
+
+  const huge = create(Loader);
+  huge.onExecuted({ lora_coverage: [{ adapter: `${"x".repeat(200)}.safetensors`, matched: 1, file_layers: 1 }] });
+  assert.equal(huge.size[0], 480, "capped");
+  assert.equal(rows(huge)[0].style.textOverflow, "ellipsis", "a longer line ends in an ellipsis");
+});
+
+test("Vue nodes: the report is shown inside the node's element, not through a widget", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  vueMode(true);
+  try {
+    const { host, body } = addVueNode(node.id);
+    const report = fullReport();
+    node.onExecuted({ lora_report: [report] });
+    const root = vueRoot(body);
+    assert.ok(root, "report element placed in the Vue node's body");
+    assert.ok(host.querySelector(`[data-testid="node-body-${node.id}"]`).children.includes(root));
+    const expected = fmt.formatReport(report);
+    assert.deepEqual(root.children[0].children.map((r) => r.textContent), expected.map((i) => i.text));
+    assert.equal(root.children[0].children[0].style.whiteSpace, "normal", "lines wrap instead of being cut");
+    // only the classic DOM widget (not serialized) is in node.widgets; nothing else was added
+    assert.deepEqual(node.widgets.map((w) => w.type), ["lora_runtime_report"]);
+    assert.equal(node.widgets[0].serialize, false);
+    assert.equal(node.size[0], 200, "a Vue node sizes itself: the LiteGraph size is left alone");
+
+    // a new run updates the lines in place
+    node.onExecuted({ lora_report: [{ ...report, decision: null, adapters: [] }] });
+    assert.equal(vueRoot(body), root);
+    assert.equal(root.children[0].children[0].textContent, "no adapter applied");
+
+    setting(false);
+    assert.equal(root.children[0].style.display, "none");
+    setting(true);
+    assert.equal(root.children[0].style.display, "");
+
+    // the renderer re-creates the node's element: the report is put back into the new one
+    host.remove();
+    const again = addVueNode(node.id);
+    await new Promise((r) => setTimeout(r, 400));
+    assert.equal(vueRoot(again.body), root);
+
+    // back to the classic canvas: out of the Vue node, the DOM widget shows it
+    vueMode(false);
+    assert.equal(vueRoot(again.body), undefined);
+    assert.equal(rows(node)[0].textContent, "no adapter applied");
+    assert.equal(node.widgets[0].element.children[0].style.display, "");
+    // and into the Vue node again when it is switched on
+    vueMode(true);
+    assert.equal(vueRoot(again.body), root);
+    again.host.remove();
+  } finally {
+    vueMode(false);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+});
+
+test("Vue nodes: a workflow loaded in Vue mode shows its report once the node is drawn", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const first = create(Sampler);
+  first.onExecuted({ lora_report: [fullReport()] });
+  vueMode(true);
+  try {
+    const loaded = new Sampler();
+    loaded.properties = JSON.parse(JSON.stringify(first.properties));
+    loaded.onConfigure?.({ properties: loaded.properties });
+    const { host, body } = addVueNode(loaded.id); // drawn a moment after configure
+    await new Promise((r) => setTimeout(r, 400));
+    const root = vueRoot(body);
+    assert.ok(root);
+    assert.equal(root.children[0].children.length, rows(first).length);
+    loaded.onRemoved?.();
+    assert.equal(vueRoot(body), undefined, "removed with its node");
+    host.remove();
+  } finally {
+    vueMode(false);
+  }
 });

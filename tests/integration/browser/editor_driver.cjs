@@ -123,7 +123,11 @@ function pageReportState(id) {
   const node = window.app.graph.getNodeById(id);
   if (!node) return { exists: false };
   const w = (node.widgets || []).find((x) => x.name === "lora_runtime_report");
-  const el = w && w.element;
+  // Vue node renderer: the report is an element inside the node's own element;
+  // classic canvas: the DOM widget's element in the DOM-widget overlay
+  const vueNode = document.querySelector(`[data-node-id="${id}"]`);
+  const vueEl = vueNode ? vueNode.querySelector(".lora-runtime-report") : null;
+  const el = vueEl || (w && w.element);
   const body = el && el.firstElementChild;
   const rect = (e) => {
     if (!e) return null;
@@ -138,7 +142,6 @@ function pageReportState(id) {
       ? e.checkVisibility({ checkOpacity: true, checkVisibilityCSS: true })
       : true;
   };
-  const vueNode = document.querySelector(`[data-node-id="${id}"]`);
   const nodeRect = vueNode ? rect(vueNode) : null;
   const elRect = rect(el);
   let insideNodeBox = null;
@@ -172,10 +175,13 @@ function pageReportState(id) {
     widgetType: w ? w.type : null,
     widgetIndex: w ? node.widgets.indexOf(w) : -1,
     widgetCount: (node.widgets || []).length,
+    shownBy: vueEl ? "vue-node" : (w ? "dom-widget" : null),
+    domWidgetConnected: !!(w && w.element && w.element.isConnected),
     connected: !!(el && el.isConnected),
     bodyDisplay: body ? body.style.display : null,
     visible: shown(body),
-    lines: rows.map((r) => ({ text: r.textContent, level: r.dataset.level, key: r.dataset.key, title: r.title })),
+    lines: rows.map((r) => ({ text: r.textContent, level: r.dataset.level, key: r.dataset.key, title: r.title,
+      scrollWidth: r.scrollWidth, clientWidth: r.clientWidth })),
     text: rows.map((r) => r.textContent).join("\n"),
     elementRect: elRect,
     vueNodeRect: nodeRect,
@@ -253,6 +259,17 @@ async function waitFor(desc, fn, arg, timeout = T.action) {
     return await page.waitForFunction(fn, arg, { timeout, polling: 250 });
   } catch (e) {
     throw new Error(`timed out after ${timeout} ms waiting for ${desc}`);
+  }
+}
+
+/** waitFor that records a timeout in rec.waitErrors instead of failing the stage. */
+async function softWaitFor(rec, desc, fn, arg, timeout = T.action) {
+  try {
+    await waitFor(desc, fn, arg, timeout);
+    return true;
+  } catch (e) {
+    (rec.waitErrors = rec.waitErrors || []).push(String(e.message || e));
+    return false;
   }
 }
 
@@ -643,6 +660,15 @@ async function main() {
         await focusNodes(cfg.docsNodeIds, 30, 1.0);
         await settle(1500);
         rec.vueNodeCount = await page.evaluate(() => document.querySelectorAll("[data-node-id]").length);
+        // the report (from before the switch) inside the Vue nodes
+        for (const id of [cfg.samplerId, cfg.adapterId]) {
+          await softWaitFor(rec, `the report inside Vue node ${id}`, (i) => {
+            const host = document.querySelector(`[data-node-id="${i}"]`);
+            const body = host && host.querySelector(".lora-runtime-report > div");
+            return !!body && body.isConnected && body.children.length > 0 && body.style.display !== "none";
+          }, id);
+        }
+        await settle();
         rec.afterSwitch = await reportState(cfg.samplerId);
         rec.adapterAfterSwitch = await reportState(cfg.adapterId);
         await shot("vue_nodes_report_after_switch");
@@ -665,9 +691,24 @@ async function main() {
             const v = n && n.properties && n.properties.lora_runtime_report;
             return typeof v === "string" && v !== a.old;
           }, { id: cfg.samplerId, old: oldProp }, T.action);
+        // ... and shows it inside its Vue node (the lines of the new report, not the old ones)
+        await softWaitFor(rec, "the new report's lines inside the sampler's Vue node",
+          (i) => {
+            const host = document.querySelector(`[data-node-id="${i}"]`);
+            const body = host && host.querySelector(".lora-runtime-report > div");
+            if (!body || !body.isConnected || body.style.display === "none") return false;
+            const lines = [...body.children].map((r) => r.textContent);
+            return lines.join(" | ") === window.app.graph.getNodeById(i).properties.lora_runtime_summary;
+          }, cfg.samplerId);
         await focusNodes(cfg.docsNodeIds, 30, 1.0);
         await settle(1000);
         rec.afterRun = await reportState(cfg.samplerId);
+        rec.adapterAfterRun = await reportState(cfg.adapterId);
+        rec.promptInputs = await page.evaluate(async (id) => {
+          const p = await window.app.graphToPrompt();
+          return { inputs: Object.keys(p.output[String(id)].inputs),
+            widgetsValues: p.workflow.nodes.find((n) => n.id === id).widgets_values };
+        }, cfg.samplerId);
         await shot("vue_nodes_report_after_run");
         rec.offValue = await setSetting(SETTING, false);
         await settle(1000);
