@@ -112,7 +112,7 @@ def ui_format(graph: dict, classes: dict) -> dict:
             "groups": [], "config": {}, "extra": {"comfyui_lora_runtime": graph["about"]}, "version": 0.4}
 
 
-def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", prompt="red 7", batch=4,
+def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", prompt="white 7", batch=4,
               cfg=5.0, prefix="lora_runtime/embedded"):
     n = {1: ("UNETLoader", {"unet_name": "tiny_wan_glyphs.safetensors", "weight_dtype": "default"})}
     model = (1, 0)

@@ -1,0 +1,37 @@
+"""The embedded default model: a tiny Wan 2.1 text-to-image model of coloured digits.
+
+Everything needed to run a real diffusion model on a fresh CPU machine without
+downloads, trained from scratch by ``tools/train_embedded.py`` and committed under
+``models/`` (see ``models/MODEL_CARD.md``):
+
+- ``models/diffusion_models/tiny_wan_glyphs.safetensors``: Wan 2.1 T2V layout
+  (dim 128, 4 blocks), loadable by ComfyUI's UNETLoader and ``load_wan_checkpoint``;
+- ``models/loras/glyph_outline_style.safetensors`` (kohya), ``glyph_distilled_cfg``
+  (PEFT, sub-ulp), ``glyph_outline_style_diffusers`` (diffusers-named Wan);
+- ``models/embedded/``: the codec (``TinyCodec``, the VAE's role), the text encoder
+  (``TinyTextEncoder``) and the judge (``GlyphJudge``).
+
+``generate(...)`` in ``embedded.pipeline`` runs prompt -> KSampler -> decode.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = PACK_ROOT / "models"
+BASE_MODEL = MODELS_DIR / "diffusion_models" / "tiny_wan_glyphs.safetensors"
+LORAS_DIR = MODELS_DIR / "loras"
+STYLE_LORA = LORAS_DIR / "glyph_outline_style.safetensors"
+DISTILLED_LORA = LORAS_DIR / "glyph_distilled_cfg.safetensors"
+STYLE_LORA_DIFFUSERS = LORAS_DIR / "glyph_outline_style_diffusers.safetensors"
+EMBEDDED_DIR = MODELS_DIR / "embedded"
+CODEC = EMBEDDED_DIR / "tiny_codec.safetensors"
+TEXT_ENCODER = EMBEDDED_DIR / "tiny_text_encoder.safetensors"
+JUDGE = EMBEDDED_DIR / "glyph_judge.safetensors"
+
+# Sampler settings the embedded model is checked with (tests, model card).
+DEFAULT_STEPS = 20
+DEFAULT_CFG = 5.0
+DEFAULT_SAMPLER = "euler"
+DEFAULT_SCHEDULER = "simple"
+DEFAULT_SHIFT = 8.0
