@@ -42,7 +42,7 @@ def run(tmp_path_factory):
                 node, inp = k.split("__")
                 prompt[node]["inputs"][inp] = v
             res = execute_prompt(prompt, CLASSES, folders=folders)
-            images = (res.outputs["9"][0] * 255.0).round().to(torch.uint8)  # what SaveImage writes
+            images = (res.outputs["9"][0] * 255.0).clamp(0, 255).to(torch.uint8)  # what SaveImage writes (truncated)
             cache[key] = images, res.ui["8"]["lora_report"][0]
         return cache[key]
 
