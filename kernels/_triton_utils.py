@@ -122,3 +122,13 @@ def out_buffer(rows: int, cols: int, dtype, device, interpret: bool):
     import torch
     store_dtype = torch.float32 if interpret else dtype
     return torch.empty((rows, cols), dtype=store_dtype, device=device)
+
+
+def launch_tiles(kernel, tuned, M: int, N: int, args: tuple, flags: dict, interpret_meta: dict | None) -> None:
+    """Launch a tiled GEMM kernel over cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs: the
+    fixed interpreter config when `interpret_meta` is given, else the autotuned variant."""
+    if interpret_meta is not None:
+        grid = (triton.cdiv(M, interpret_meta["BLOCK_M"]) * triton.cdiv(N, interpret_meta["BLOCK_N"]),)
+        kernel[grid](*args, **flags, **interpret_meta)
+    else:
+        tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)

@@ -63,7 +63,7 @@ if triton_importable():
     import triton
     import triton.language as tl
 
-    from ._triton_utils import (INTERPRET_META, bias_gelu_store, gemm_tile, grouped_tile,
+    from ._triton_utils import (INTERPRET_META, bias_gelu_store, gemm_tile, grouped_tile, launch_tiles,
                                 main_precision, matmul_configs, out_buffer)
 
     @triton.jit
@@ -102,12 +102,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=bias is not None, UPCAST=interp,
                  PRECISION="ieee" if interp else main_precision(x.dtype))
-    if interp:
-        meta = INTERPRET_META
-        grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _linear_gelu_tanh_kernel[grid](*args, **flags, **meta)
-    else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _linear_gelu_tanh_tuned[grid](*args, **flags)
+    launch_tiles(_linear_gelu_tanh_kernel, _linear_gelu_tanh_tuned, M, N, args, flags,
+                 INTERPRET_META if interp else None)
     return out.to(x.dtype).reshape(*lead, N)

@@ -142,7 +142,7 @@ if triton_importable():
     import triton.language as tl
 
     from ._triton_utils import (INTERPRET_META, INTERPRET_RANK_BLOCK, bias_gelu_store, gemm_tile,
-                                grouped_tile, main_precision, matmul_configs, out_buffer)
+                                grouped_tile, launch_tiles, main_precision, matmul_configs, out_buffer)
 
     @triton.jit
     def _lora_shrink_kernel(
@@ -254,14 +254,8 @@ def _launch(x, weight, bias, lora_a, lora_b, scale, gelu) -> torch.Tensor:
     flags = dict(HAS_BIAS=bias is not None, HAS_LORA=has_lora, APPLY_GELU=bool(gelu),
                  UPCAST=interp, PRECISION="ieee" if interp else main_precision(x.dtype),
                  SPLIT_BF16=split, LORA_PRECISION=lora_precision)
-    if interp:
-        meta = dict(INTERPRET_META, BLOCK_R=INTERPRET_RANK_BLOCK)
-        grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _lora_linear_kernel[grid](*args, **flags, **meta)
-    else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-        _lora_linear_tuned[grid](*args, **flags)
+    launch_tiles(_lora_linear_kernel, _lora_linear_tuned, M, N, args, flags,
+                 dict(INTERPRET_META, BLOCK_R=INTERPRET_RANK_BLOCK) if interp else None)
     return out.to(x.dtype).reshape(*lead, N)
 
 
