@@ -123,6 +123,7 @@ class MountedSite:
     def __init__(self, spec: SiteSpec, fusions: tuple[str, ...], tier: Tier, backend: str):
         self.spec, self.fusions, self.tier, self.backend = spec, fusions, tier, backend
         self.routes: Counter = Counter()
+        self.disabled: str = ""  # set when a kernel failed to run here: the site stays unfused
         module = spec.module
         if spec.kind == "sequential":
             def fwd(x, _s=self):
@@ -153,8 +154,18 @@ class MountedSite:
     def linear_gelu(self, x: torch.Tensor) -> torch.Tensor:
         fc1 = self.spec.fc1()
         ctx = current_context()
-        if ctx is None or not ctx.tier.admits(Tier.LOSSLESS) or not ctx.tier.admits(self.tier):
+        if self.disabled or ctx is None or not ctx.tier.admits(Tier.LOSSLESS) or not ctx.tier.admits(self.tier):
             return self.unfused(fc1, x)
+        try:
+            return self._routed(fc1, x, ctx)
+        except (RuntimeError, ValueError, TypeError) as e:
+            # a kernel that cannot compile or launch here (e.g. an unsupported GPU) must not
+            # break sampling: this site runs unfused from now on, said in the log and the report
+            self.disabled = f"{type(e).__name__}: {e}"[:300]
+            log.warning("fusion site %s: fused kernel failed (%s); running it unfused", self.spec.path, self.disabled)
+            return self.unfused(fc1, x)
+
+    def _routed(self, fc1: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
         base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
         w, b = base.weight, base.bias
         if (x.dtype != w.dtype or x.device != w.device or getattr(base, "weight_function", None)
@@ -165,16 +176,21 @@ class MountedSite:
                 st = fc1.fusable_stack(x.device, x.dtype)
                 if st is not None:
                     a, bmat, scale = st
+                    out = lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
                     self.routes["lora_fused"] += 1
-                    return lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
+                    return out
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
+            out = linear_gelu_tanh(x, w, b, backend=self.backend)
             self.routes["base_fused"] += 1
-            return linear_gelu_tanh(x, w, b, backend=self.backend)
+            return out
         return self.unfused(fc1, x)
 
     def report(self) -> dict:
-        return {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes)}
+        r = {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes)}
+        if self.disabled:
+            r["disabled"] = self.disabled
+        return r
 
 
 @dataclass

@@ -181,3 +181,26 @@ def test_applied_mounts_reports_and_unmounts(tmp_path):
     assert all(r["routes"] == {"lora_fused": 1} for r in rep.fusions)
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
+
+
+def test_a_kernel_that_fails_to_run_leaves_the_site_unfused(tmp_path, monkeypatch):
+    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX not supported on this GPU")
+    monkeypatch.setattr(fs, "lora_linear", broken)
+    model = SiteZoo()
+    x = _x()
+    inj = LoraInjector(model)
+    inj.apply(plan(model, [AdapterSpec(str(_adapter_file(tmp_path, model, FC1)))], "dynamic", "lossless"))
+    with torch.no_grad(), runtime_context(tier="lossless"):
+        ref = model(x)
+        m = mount_fusions(model, "lossless", backend="torch")
+        y = model(x)
+        y2 = model(x)
+        m.unmount()
+    assert torch.equal(y, ref) and torch.equal(y2, ref)
+    reps = m.report()
+    assert all("PTX not supported" in r["disabled"] for r in reps)
+    assert _routes(m) == {"unfused": 6}
+    inj.clear()
