@@ -29,7 +29,7 @@ def nonunit(*factors: float) -> list[float]:
 
 def combined_factor(*factors: float) -> float:
     """Product of the factors (1.0 when all are unit); python floats, so fp64 math."""
-    return math.prod(nonunit(*factors)) if nonunit(*factors) else 1.0
+    return math.prod(nonunit(*factors), start=1.0)
 
 
 def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: RuntimeContext | None,
