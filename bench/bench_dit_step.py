@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import sys
 import tempfile
 import time
@@ -130,7 +131,28 @@ def rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / scale)
 
 
-def main() -> None:
+def dry_run(args) -> dict:
+    """The plan without the work: model dims, token count, FLOP shares, arms."""
+    blocks = args.blocks or 30
+    cfg = WanConfig(num_layers=blocks)
+    with torch.device("meta"):
+        model = WanModel(cfg)
+    _, t, h, w = LATENT
+    pt, ph, pw = cfg.patch_size
+    tokens = (t // pt) * (-(-h // ph)) * (-(-w // pw))
+    share_adapted, share_all = flop_share(model, tokens, args.rank)
+    n_adapted = sum(1 for i in range(blocks) for t_ in TARGETS if model.get_submodule(f"blocks.{i}.{t_}"))
+    plan_ = dict(dry_run=True, blocks=blocks, tokens=tokens, text_tokens=TEXT_TOKENS, rank=args.rank,
+                 adapted_linears=n_adapted, adapter_flop_share_adapted=share_adapted,
+                 adapter_flop_share_all=share_all, batches=[1, 2] if args.cfg else [1],
+                 arms=["none", "merged", "dynamic", "exact", "peft"])
+    print(f"# dry run: {plan_}")
+    if args.json:
+        args.json.write_text(json.dumps(plan_, indent=1) + "\n")
+    return plan_
+
+
+def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
     p.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -143,7 +165,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--fusion-backend", default="auto", choices=["auto", "none", "torch", "triton"],
                    help="fusions the engine mounts (auto: Triton on CUDA, none on the CPU)")
-    args = p.parse_args()
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, print the plan and stop (no timing)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -249,6 +276,13 @@ def main() -> None:
                       f"{lo:7.3f}-{hi:7.3f} | {s.min_ms:9.1f} | {s.min_ms / stats['merged'].min_ms:13.3f} |")
     print(f"\n# {load_string()} (end)")
     tgt = TARGET[device]
+    summary = dict(device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   torch=torch.__version__, dtype=dtype_name(dtype), blocks=blocks, tokens=tokens, rank=args.rank,
+                   adapter_flop_share_adapted=share_adapted, adapter_flop_share_all=share_all,
+                   fusion_backend=args.fusion_backend, repeats=repeats, inner=inner, target=tgt,
+                   fused_sites={"none": n_fused, "merged": sum(1 for f in rep_m.fusions if f.get("fusions")),
+                                "dynamic": sum(1 for f in rep_d.fusions if f.get("fusions"))},
+                   batches={})
     for b in batches:
         r = results[b][0]["dynamic"].ratio("merged")
         st = results[b][0]
@@ -256,6 +290,14 @@ def main() -> None:
         print(f"# target (batch {b}): dynamic <= {tgt:.2f}x merged on {device}: median {r:.3f}x, best {best:.3f}x "
               f"-> {'met' if r <= tgt else 'NOT met'} (peft {st['peft'].ratio('merged'):.3f}x, "
               f"exact {st['exact'].ratio('merged'):.3f}x)")
+        summary["batches"][b] = dict(
+            diff_from_exact=results[b][1],
+            arms={n: dict(ms=s_.median_ms, best_ms=s_.min_ms, x_none=s_.ratio("none"), x_merged=s_.ratio("merged"),
+                          x_merged_spread=s_.spread("merged")) for n, s_ in st.items()},
+            dynamic_x_merged=r, met=r <= tgt)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Triton pieces shared by the GEMM kernels: tile order, the K loop, the epilogue,
-and the launch configurations. Import only when `triton_importable()`.
+and the launcher (configs per shape bucket: launch_configs). Import only when `triton_importable()`.
 
 Under TRITON_INTERPRET=1 every tile is numpy code, so the launchers skip autotune
 and use INTERPRET_META (small tiles keep the CPU test run short), convert tiles
@@ -12,34 +12,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch_configs import BucketKey, LaunchConfig, choose, dtype_key, m_bucket
+
 # One fixed config for the interpreter; tl.dot needs every dim >= 16.
 INTERPRET_META = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 INTERPRET_RANK_BLOCK = 16
-
-
-def matmul_configs(rank_block: int | None = None) -> list:
-    """Autotune candidates for the [M, K] x [K, N] kernels on NVIDIA GPUs.
-
-    A short list on purpose: the key includes M, so every new token count
-    tunes again. rank_block adds BLOCK_R (the LoRA expand loop's tile).
-    Not yet tuned on hardware: these are the Triton tutorial's usual shapes.
-    """
-    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps
-        (128, 256, 64, 3, 8),
-        (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 128, 32, 4, 4),
-        (64, 64, 32, 5, 2),
-    ]
-    configs = []
-    for bm, bn, bk, stages, warps in shapes:
-        meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
-        if rank_block is not None:
-            meta["BLOCK_R"] = rank_block
-        configs.append(triton.Config(meta, num_stages=stages, num_warps=warps))
-    return configs
 
 
 @triton.jit
@@ -124,11 +101,22 @@ def out_buffer(rows: int, cols: int, dtype, device, interpret: bool):
     return torch.empty((rows, cols), dtype=store_dtype, device=device)
 
 
-def launch_tiles(kernel, tuned, M: int, N: int, args: tuple, flags: dict, interpret_meta: dict | None) -> None:
+def launch_tiles(kernel, op: str, M: int, N: int, K: int, args: tuple, flags: dict,
+                 interpret_meta: dict | None, extra_meta: dict | None = None) -> None:
     """Launch a tiled GEMM kernel over cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs: the
-    fixed interpreter config when `interpret_meta` is given, else the autotuned variant."""
+    fixed interpreter config when `interpret_meta` is given, else the config of this
+    shape bucket (launch_configs.choose: committed table, else tuned once per bucket).
+    args[0] is x (its dtype and device key the bucket)."""
+    extra = extra_meta or {}
     if interpret_meta is not None:
         grid = (triton.cdiv(M, interpret_meta["BLOCK_M"]) * triton.cdiv(N, interpret_meta["BLOCK_N"]),)
-        kernel[grid](*args, **flags, **interpret_meta)
-    else:
-        tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        kernel[grid](*args, **flags, **interpret_meta, **extra)
+        return
+
+    def launch(cfg: LaunchConfig) -> None:
+        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+        kernel[grid](*args, **flags, **cfg.meta(), **extra)
+
+    x = args[0]
+    key = BucketKey(op, dtype_key(x.dtype), N, K, m_bucket(M))
+    launch(choose(key, x.device, launch))

@@ -64,7 +64,7 @@ if triton_importable():
     import triton.language as tl
 
     from ._triton_utils import (INTERPRET_META, bias_gelu_store, gemm_tile, grouped_tile, launch_tiles,
-                                main_precision, matmul_configs, out_buffer)
+                                main_precision, out_buffer)
 
     @triton.jit
     def _linear_gelu_tanh_kernel(
@@ -83,9 +83,6 @@ if triton_importable():
         bias_gelu_store(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on,
                         HAS_BIAS, True)
 
-    _linear_gelu_tanh_tuned = triton.autotune(
-        configs=matmul_configs(), key=["M", "N", "K"])(_linear_gelu_tanh_kernel)
-
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
@@ -102,6 +99,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=bias is not None, UPCAST=interp,
                  PRECISION="ieee" if interp else main_precision(x.dtype))
-    launch_tiles(_linear_gelu_tanh_kernel, _linear_gelu_tanh_tuned, M, N, args, flags,
+    launch_tiles(_linear_gelu_tanh_kernel, "linear_gelu_tanh", M, N, K, args, flags,
                  INTERPRET_META if interp else None)
     return out.to(x.dtype).reshape(*lead, N)

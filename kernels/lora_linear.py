@@ -142,7 +142,7 @@ if triton_importable():
     import triton.language as tl
 
     from ._triton_utils import (INTERPRET_META, INTERPRET_RANK_BLOCK, bias_gelu_store, gemm_tile,
-                                grouped_tile, launch_tiles, main_precision, matmul_configs, out_buffer)
+                                grouped_tile, launch_tiles, main_precision, out_buffer)
 
     @triton.jit
     def _lora_shrink_kernel(
@@ -219,8 +219,7 @@ if triton_importable():
                         HAS_BIAS, APPLY_GELU)
 
     # BLOCK_R = 32: ranks are 16..128 in practice, so 1-4 trips of the expand loop.
-    _lora_linear_tuned = triton.autotune(
-        configs=matmul_configs(rank_block=32), key=["M", "N", "K", "R"])(_lora_linear_kernel)
+    RANK_BLOCK = 32
 
 
 def _launch(x, weight, bias, lora_a, lora_b, scale, gelu) -> torch.Tensor:
@@ -254,8 +253,9 @@ def _launch(x, weight, bias, lora_a, lora_b, scale, gelu) -> torch.Tensor:
     flags = dict(HAS_BIAS=bias is not None, HAS_LORA=has_lora, APPLY_GELU=bool(gelu),
                  UPCAST=interp, PRECISION="ieee" if interp else main_precision(x.dtype),
                  SPLIT_BF16=split, LORA_PRECISION=lora_precision)
-    launch_tiles(_lora_linear_kernel, _lora_linear_tuned, M, N, args, flags,
-                 dict(INTERPRET_META, BLOCK_R=INTERPRET_RANK_BLOCK) if interp else None)
+    op = "lora_linear" + ("_gelu" if gelu else "") + ("" if has_lora else "_r0")
+    launch_tiles(_lora_linear_kernel, op, M, N, K, args, flags, INTERPRET_META if interp else None,
+                 dict(BLOCK_R=INTERPRET_RANK_BLOCK if interp else RANK_BLOCK))
     return out.to(x.dtype).reshape(*lead, N)
 
 

@@ -1,0 +1,528 @@
+"""The GPU check: one command that runs everything a lent GPU has to prove, in one go.
+
+    python bench/device_check.py --out DIR [--budget-s 450] [--dry-run] [--parts a,b,...]
+
+Parts, in this order (each one reported; a failing or timed-out part is recorded and
+the next one still runs; a part whose share of the budget is gone is "skipped: budget"):
+
+  env      GPU, driver, CUDA, torch, Triton versions
+  tests    the CUDA tests: pytest tests/kernels tests/fusion on the GPU (kernels vs
+           their torch references at bf16/fp16/fp32, odd shapes, several adapters,
+           scale 1 and not, every launch-config candidate, the fusion guards)
+  tune     the launch-config table for the benchmark's shape buckets (ops x FFN
+           shapes x M buckets), written to DIR/tuned_<family>.json and installed in
+           kernels/tuned/ for the parts after it
+  kernels  kernel rows, bf16: Wan-1.3B, Wan-14B and Flux FFN up-projections (+GELU),
+           M = 512 / 4096 / 32760; baselines eager F.linear+GELU, cuBLASLt's GELU
+           epilogue (torch._addmm_activation), ours fused; LoRA ranks 16/32/64/128,
+           1 and 3 adapters: the PEFT-shaped eager chain vs ours LoRA-aware fused
+  dit      bench/bench_dit_step.py --cfg on CUDA (Wan-2.1-1.3B dims, 30 blocks, bf16)
+  compile  torch.compile of the eager chains (default mode for every kernel row's
+           shape, rank 32 x 1 adapter for the LoRA chain; max-autotune-no-cudagraphs
+           at M = 4096 while the budget lasts), filled into the kernel rows
+
+Outputs in DIR: device_check.json (everything), device_check.md (the tables),
+pytest.log, dit.log, tuned_<family>.json.
+
+Targets read against: LoRA-aware fused <= 1.05x base fused; >= 1.2x faster than the
+unfused eager chain (PEFT-shaped + GELU); end to end dynamic <= 1.05x merged per step.
+
+--dry-run (CPU, in CI): every part is planned and its inputs are built on the meta
+device, the pytest run is a --collect-only, the DiT bench runs its own --dry-run;
+nothing touches CUDA. It keeps this script from rotting between GPU sessions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PACKAGE = "comfyui_lora_runtime"
+
+
+def ensure_package() -> dict:
+    """Make `comfyui_lora_runtime` importable (an editable install, or a link to this
+    checkout on sys.path and PYTHONPATH for the subprocesses); return the env to pass."""
+    env = dict(os.environ)
+    try:
+        import comfyui_lora_runtime  # noqa: F401
+        return env
+    except ImportError:
+        pass
+    link_dir = Path(tempfile.mkdtemp(prefix="lora_runtime_pkg_"))
+    (link_dir / PACKAGE).symlink_to(ROOT, target_is_directory=True)
+    sys.path.insert(0, str(link_dir))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(link_dir), env.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    return env
+
+
+ENV = ensure_package()
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from comfyui_lora_runtime.kernels import launch_configs as lc  # noqa: E402
+from comfyui_lora_runtime.kernels.linear_gelu_tanh import linear_gelu_tanh  # noqa: E402
+from comfyui_lora_runtime.kernels.lora_linear import _check_args as lora_check_args  # noqa: E402
+from comfyui_lora_runtime.kernels.lora_linear import lora_linear  # noqa: E402
+
+from _timing import interleaved_rounds  # noqa: E402
+
+# name -> (K, N) of the FFN up-projection followed by GELU(tanh)
+SHAPES = {"wan-1.3b": (1536, 8960), "wan-14b": (5120, 13824), "flux": (3072, 12288)}
+TOKENS = (512, 4096, 32760)
+RANKS = (16, 32, 64, 128)
+ADAPTER_COUNTS = (1, 3)
+STRENGTHS = (0.8, -0.5, 1.3)
+TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tokens
+TUNE_RANK = 32
+DTYPE = torch.bfloat16
+# Share of the budget each part may use at most (the rest carries over).
+PART_CAPS = {"env": 20, "tests": 110, "tune": 80, "kernels": 80, "dit": 110, "compile": 10 ** 6}
+PARTS = tuple(PART_CAPS)
+TARGETS = dict(lora_x_base_fused=1.05, eager_x_lora_fused=1.2, dit_dynamic_x_merged=1.05)
+
+
+class Budget:
+    def __init__(self, total_s: float):
+        self.t0, self.total = time.monotonic(), total_s
+
+    def left(self) -> float:
+        return self.total - (time.monotonic() - self.t0)
+
+    def for_part(self, name: str) -> float:
+        return max(0.0, min(PART_CAPS[name], self.left()))
+
+
+class OutOfTime(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- env
+
+def part_env(ctx) -> dict:
+    import triton
+    info = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, host=platform.node(), dry_run=ctx.dry)
+    if not ctx.dry:
+        info.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                    sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+            info["nvidia_smi"] = smi.stdout.strip()
+            info["driver"] = smi.stdout.split(",")[1].strip() if smi.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError) as exc:
+            info["nvidia_smi"] = f"unavailable: {exc!r}"
+        info["family"] = lc.family_names(info["device"], tuple(info["capability"]))[0]
+    else:
+        info.update(device="(dry run)", family="dry-run")
+    return info
+
+
+# ---------------------------------------------------------------- tests
+
+def part_tests(ctx) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+           "tests/kernels", "tests/fusion"]
+    if ctx.dry:
+        cmd.append("--collect-only")
+    else:
+        try:  # compiling the kernels' variants dominates: spread it over processes where xdist is there
+            import xdist  # noqa: F401
+            cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+        except ImportError:
+            pass
+    log("running " + " ".join(cmd[2:]))
+    env = dict(ENV)
+    if not ctx.dry:
+        env.pop("TRITON_INTERPRET", None)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=max(10, ctx.budget.for_part("tests")))
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (ctx.out / "pytest.log").write_text(out)
+        raise OutOfTime(f"pytest ran past {exc.timeout:.0f}s") from None
+    (ctx.out / "pytest.log").write_text(out)
+    summary = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [""]
+    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    res = dict(command=" ".join(cmd[2:]), returncode=rc, summary=summary[0], failed=failed[:40])
+    if rc != 0:
+        res["status"] = "failed"
+    return res
+
+
+# ---------------------------------------------------------------- inputs
+
+def make_inputs(m: int, k: int, n: int, ranks: tuple[int, ...], device, seed: int = 0):
+    """x [m,k], W [n,k], b [n], stacked A [R,k], B [n,R], per-adapter factors, in bf16.
+    Deltas about 5 % of the base output, as trained adapters are."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, std=1.0):
+        if device == "meta":
+            return torch.empty(*shape, device="meta", dtype=DTYPE)
+        return (torch.randn(*shape, generator=g) * std).to(device, DTYPE)
+
+    x, w, b = rnd(m, k), rnd(n, k, std=k ** -0.5), rnd(n, std=0.1)
+    r = sum(ranks)
+    a = rnd(r, k, std=k ** -0.5)
+    bb = rnd(n, r, std=0.05 * max(r, 1) ** -0.5)
+    strengths = STRENGTHS[:len(ranks)]
+    if len(ranks) == 1:
+        scale = strengths[0]
+    else:
+        scale = torch.cat([torch.full((rk,), s) for rk, s in zip(ranks, strengths)])
+        scale = scale.to("cpu" if device == "meta" else device)
+    return x, w, b, a, bb, ranks, scale
+
+
+def peft_eager_gelu(x, w, b, a, bb, ranks, scale):
+    """PEFT's shape for several adapters: base + sum_i B_i(A_i x) * s_i, then GELU, in bf16."""
+    y = F.linear(x, w, b)
+    start = 0
+    for i, rk in enumerate(ranks):
+        s = STRENGTHS[i]
+        y = y + F.linear(F.linear(x, a[start:start + rk]), bb[:, start:start + rk]) * s
+        start += rk
+    return F.gelu(y, approximate="tanh")
+
+
+def eager_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def cublaslt_gelu(x, w, b):
+    return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
+
+# ---------------------------------------------------------------- tune
+
+def tune_plan() -> list[lc.BucketKey]:
+    keys = []
+    for name, (k, n) in SHAPES.items():
+        for m in TUNE_M:
+            keys.append(lc.BucketKey("linear_gelu_tanh", lc.dtype_key(DTYPE), n, k, m))
+            keys.append(lc.BucketKey("lora_linear_gelu", lc.dtype_key(DTYPE), n, k, m))
+    return keys
+
+
+def part_tune(ctx) -> dict:
+    keys = tune_plan()
+    entries, deadline = [], time.monotonic() + ctx.budget.for_part("tune")
+    for key in keys:
+        if time.monotonic() > deadline:
+            raise OutOfTime(f"tuned {len(entries)}/{len(keys)} buckets")
+        dev = "meta" if ctx.dry else ctx.device
+        x, w, b, a, bb, _, scale = make_inputs(key.M_bucket, key.K, key.N, (TUNE_RANK,), dev)
+        if ctx.dry:
+            lora_check_args(x, w, b, a, bb, scale)
+            entries.append(dict(key.as_dict(), config=lc.CANDIDATES[0].meta(), planned=True))
+            continue
+        if key.op == "linear_gelu_tanh":
+            def run():
+                linear_gelu_tanh(x, w, b)
+        else:
+            def run():
+                lora_linear(x, w, b, a, bb, scale, gelu=True)
+
+        def launch(cfg, _run=run):
+            with lc.pinned(cfg):
+                _run()
+
+        t0 = time.perf_counter()
+        best, timings = lc.tune_bucket(launch)
+        entries.append(dict(key.as_dict(), config=best.meta(), ms=timings[best.label()],
+                            candidates_ms={k_: (None if v == float("inf") else round(v, 5))
+                                           for k_, v in timings.items()}))
+        log(f"tuned {key.op} N={key.N} K={key.K} M<={key.M_bucket}: {best.label()} "
+            f"{timings[best.label()]:.3f} ms ({time.perf_counter() - t0:.1f}s)")
+        del x, w, b, a, bb
+    meta = {k_: ctx.env.get(k_) for k_ in ("device", "capability", "driver", "torch", "triton", "cuda")}
+    meta["tuned_on"] = time.strftime("%Y-%m-%d")
+    meta["note"] = "written by bench/device_check.py (part tune); keys: op, dtype, N, K, M_bucket"
+    fam = ctx.env.get("family", "dry-run")
+    out_path = ctx.out / f"tuned_{fam}.json"
+    lc.write_table(out_path, entries, meta)
+    res = dict(buckets=len(entries), table=out_path.name)
+    if not ctx.dry:
+        lc.write_table(lc.TABLE_DIR / f"{fam}.json", entries, meta)  # the parts after this one read it
+        lc.forget()
+        res["installed"] = str(lc.TABLE_DIR / f"{fam}.json")
+    return res
+
+
+# ---------------------------------------------------------------- kernels
+
+def kernel_row_plan() -> list[tuple[str, int]]:
+    return [(name, m) for m in TOKENS for name in SHAPES]
+
+
+def _max_rel_err(y, ref) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def part_kernels(ctx) -> dict:
+    rows, deadline = [], time.monotonic() + ctx.budget.for_part("kernels")
+    dev = "meta" if ctx.dry else ctx.device
+    for name, m in kernel_row_plan():
+        if time.monotonic() > deadline:
+            ctx.results["kernels_rows"] = rows
+            raise OutOfTime(f"measured {len(rows)} of {len(kernel_row_plan())} shape rows")
+        k, n = SHAPES[name]
+        x, w, b, *_ = make_inputs(m, k, n, (1,), dev)
+        arms = {"eager": lambda: eager_gelu(x, w, b), "fused": lambda: linear_gelu_tanh(x, w, b)}
+        if hasattr(torch, "_addmm_activation"):
+            arms["cublaslt_gelu"] = lambda: cublaslt_gelu(x, w, b)
+        lora_inputs = {}
+        for r in RANKS:
+            for count in ADAPTER_COUNTS:
+                ranks = (r,) * count
+                li = make_inputs(m, k, n, ranks, dev, seed=r + count)
+                li = (x, w, b) + li[3:]
+                lora_inputs[(r, count)] = li
+                arms[f"peft_r{r}x{count}"] = (lambda li=li: peft_eager_gelu(*li))
+                arms[f"ours_r{r}x{count}"] = (lambda li=li: lora_linear(*li[:5], li[6], gelu=True))
+        row = dict(shape=name, M=m, K=k, N=n, dtype="bf16")
+        if ctx.dry:
+            for li in lora_inputs.values():
+                lora_check_args(*li[:5], li[6])
+            row["arms"] = {a_: None for a_ in arms}
+            rows.append(row)
+            continue
+        with torch.inference_mode():
+            # correctness next to speed: ours against the fp32 torch reference, and not the base alone
+            ref_fused = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh")
+            row["fused_max_rel_err"] = _max_rel_err(linear_gelu_tanh(x, w, b), ref_fused)
+            if "cublaslt_gelu" in arms:
+                row["cublaslt_max_rel_err"] = _max_rel_err(cublaslt_gelu(x, w, b), ref_fused)
+            li = lora_inputs[(32, 3)]
+            ours = lora_linear(*li[:5], li[6], gelu=True)
+            ref = peft_eager_gelu(*(t.float() if isinstance(t, torch.Tensor) else t for t in li))
+            row["ours_r32x3_max_rel_err"] = _max_rel_err(ours, ref)
+            row["ours_r32x3_vs_base_max_rel_diff"] = _max_rel_err(ours, ref_fused)
+            del ours, ref, ref_fused
+            # one call's GPU time sets the inner count so a measurement is >= ~1 ms
+            sync = torch.cuda.synchronize if ctx.device == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            arms["eager"]()
+            sync()
+            one = max(time.perf_counter() - t0, 1e-5)
+            inner = max(1, min(50, int(1e-3 / one)))
+            stats = interleaved_rounds(arms, ctx.device, refs=("fused", "eager"), warmup=2, repeats=ctx.repeats,
+                                       inner=inner)
+        row["inner"] = inner
+        row["arms"] = {a_: dict(ms=s.median_ms, x_fused=s.ratio("fused"), x_eager=s.ratio("eager"))
+                       for a_, s in stats.items()}
+        for r in RANKS:
+            for count in ADAPTER_COUNTS:
+                o, p = stats[f"ours_r{r}x{count}"], stats[f"peft_r{r}x{count}"]
+                row.setdefault("lora", []).append(dict(
+                    rank=r, adapters=count, ours_ms=o.median_ms, peft_ms=p.median_ms,
+                    ours_x_base_fused=o.ratio("fused"), peft_over_ours=p.median_ms / o.median_ms,
+                    ours_x_eager_base=o.ratio("eager")))
+        rows.append(row)
+        log(f"kernels {name} M={m}: fused {row['arms']['fused']['ms']:.3f} ms, eager x{1 / stats['fused'].ratio('eager'):.2f}"
+            f" of fused; r32x1 ours x{stats['ours_r32x1'].ratio('fused'):.3f} base fused")
+        del arms, lora_inputs, stats, x, w, b
+        if ctx.device == "cuda":
+            torch.cuda.empty_cache()
+    ctx.results["kernels_rows"] = rows
+    return dict(rows=len(rows))
+
+
+# ---------------------------------------------------------------- dit
+
+def part_dit(ctx) -> dict:
+    js = ctx.out / "dit.json"
+    cmd = [sys.executable, str(HERE / "bench_dit_step.py"), "--cfg", "--json", str(js)]
+    cmd += ["--dry-run"] if ctx.dry else ["--device", "cuda", "--repeats", str(max(3, ctx.repeats))]
+    log("running " + " ".join(cmd[1:]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=max(10, ctx.budget.for_part("dit")))
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (ctx.out / "dit.log").write_text(out)
+        raise OutOfTime(f"bench_dit_step ran past {exc.timeout:.0f}s") from None
+    (ctx.out / "dit.log").write_text(out)
+    if proc.returncode != 0:
+        return dict(status="failed", returncode=proc.returncode, tail=out[-3000:])
+    return dict(json.loads(js.read_text()), table=[ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "# target"))])
+
+
+# ---------------------------------------------------------------- compile
+
+def part_compile(ctx) -> dict:
+    rows = {(r["shape"], r["M"]): r for r in ctx.results.get("kernels_rows", [])}
+    plan = [(mode, name, m) for mode in ("default", "max-autotune-no-cudagraphs") for name, m in kernel_row_plan()
+            if mode == "default" or m == 4096]
+    done, deadline = [], time.monotonic() + ctx.budget.for_part("compile") - 5
+    dev = "meta" if ctx.dry else ctx.device
+    for mode, name, m in plan:
+        if ctx.dry:
+            done.append(dict(mode=mode, shape=name, M=m, planned=True))
+            continue
+        if time.monotonic() > deadline - 40:  # a compile takes tens of seconds: do not start one we cannot finish
+            ctx.results["compile_rows"] = done
+            raise OutOfTime(f"compiled {len(done)} of {len(plan)} (mode, shape, M) rows")
+        k, n = SHAPES[name]
+        x, w, b, a, bb, ranks, scale = make_inputs(m, k, n, (32,), dev, seed=33)
+        torch._dynamo.reset()
+        kw = {} if mode == "default" else {"mode": mode}
+        c_eager = torch.compile(eager_gelu, dynamic=False, **kw)
+        c_peft = torch.compile(peft_eager_gelu, dynamic=False, **kw)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            c_eager(x, w, b)
+            c_peft(x, w, b, a, bb, ranks, scale)
+            compile_s = time.perf_counter() - t0
+            arms = {"fused": lambda: linear_gelu_tanh(x, w, b), "compiled_eager": lambda: c_eager(x, w, b),
+                    "ours_r32x1": lambda: lora_linear(x, w, b, a, bb, scale, gelu=True),
+                    "compiled_peft_r32x1": lambda: c_peft(x, w, b, a, bb, ranks, scale)}
+            stats = interleaved_rounds(arms, ctx.device, refs=("fused",), warmup=2, repeats=ctx.repeats, inner=5)
+        entry = dict(mode=mode, shape=name, M=m, compile_s=compile_s,
+                     arms={a_: dict(ms=s.median_ms, x_fused=s.ratio("fused")) for a_, s in stats.items()})
+        done.append(entry)
+        row = rows.get((name, m))
+        if row is not None:
+            row.setdefault("compiled", {})[mode] = entry["arms"]
+        log(f"compile[{mode}] {name} M={m}: compiled eager x{stats['compiled_eager'].ratio('fused'):.3f} fused, "
+            f"compiled peft x{stats['compiled_peft_r32x1'].ratio('fused'):.3f}, ours r32 "
+            f"x{stats['ours_r32x1'].ratio('fused'):.3f} ({compile_s:.0f}s to compile)")
+        del x, w, b, a, bb, c_eager, c_peft, arms
+    ctx.results["compile_rows"] = done
+    return dict(rows=len(done))
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(results: dict) -> str:
+    env = results.get("parts", {}).get("env", {})
+    lines = [f"# Device check — {env.get('device')} (driver {env.get('driver')}, CUDA {env.get('cuda')}, "
+             f"torch {env.get('torch')}, Triton {env.get('triton')}), {results.get('date')}", ""]
+    lines.append("| part | status | seconds | summary |")
+    lines.append("|---|---|---|---|")
+    for name, p in results.get("parts", {}).items():
+        summ = p.get("summary") or p.get("error") or ", ".join(f"{k}={v}" for k, v in p.items()
+                                                               if k in ("rows", "buckets", "table"))
+        lines.append(f"| {name} | {p.get('status')} | {p.get('seconds', 0):.0f} | {str(summ)[:160]} |")
+    krows = results.get("kernels_rows", [])
+    if krows and krows[0]["arms"] and krows[0]["arms"].get("fused"):
+        lines += ["", "## Linear+GELU(tanh), bf16, no adapter — ms, and × ours fused", "",
+                  "| shape (K→N) | M | ours fused ms | eager × | cuBLASLt GELU epilogue × | torch.compile × | "
+                  "max-autotune × |", "|---|---|---|---|---|---|---|"]
+        for r in krows:
+            a = r["arms"]
+            comp = r.get("compiled", {})
+            c1 = comp.get("default", {}).get("compiled_eager", {}).get("x_fused")
+            c2 = comp.get("max-autotune-no-cudagraphs", {}).get("compiled_eager", {}).get("x_fused")
+            lt = a.get("cublaslt_gelu", {}).get("x_fused")
+            lines.append(f"| {r['shape']} ({r['K']}→{r['N']}) | {r['M']} | {a['fused']['ms']:.3f} | "
+                         f"{a['eager']['x_fused']:.3f} | {fmt(lt)} | {fmt(c1)} | {fmt(c2)} |")
+        lines += ["", f"## LoRA-aware fused linear+GELU, bf16 — ours × base fused (target ≤ "
+                      f"{TARGETS['lora_x_base_fused']}), PEFT-shaped eager chain ÷ ours (target ≥ "
+                      f"{TARGETS['eager_x_lora_fused']})", "",
+                  "| shape | M | " + " | ".join(f"r{r}×{c}" for r in RANKS for c in ADAPTER_COUNTS) + " |",
+                  "|---|---|" + "---|" * (len(RANKS) * len(ADAPTER_COUNTS))]
+        for r in krows:
+            cells = [f"{e['ours_x_base_fused']:.3f} / {e['peft_over_ours']:.2f}" for e in r.get("lora", [])]
+            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append("Each cell: ours × base fused / PEFT-shaped eager ÷ ours. Medians of per-round ratios.")
+    dit = results.get("parts", {}).get("dit", {})
+    if dit.get("table"):
+        lines += ["", "## DiT step (bench_dit_step.py --cfg)", ""] + dit["table"]
+    crow = results.get("compile_rows", [])
+    if crow and not crow[0].get("planned"):
+        lines += ["", "## torch.compile baselines (× ours fused, same run)", "",
+                  "| mode | shape | M | compiled eager × | compiled PEFT r32 × | ours r32 × | compile s |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in crow:
+            a = c["arms"]
+            lines.append(f"| {c['mode']} | {c['shape']} | {c['M']} | {a['compiled_eager']['x_fused']:.3f} | "
+                         f"{a['compiled_peft_r32x1']['x_fused']:.3f} | {a['ours_r32x1']['x_fused']:.3f} | "
+                         f"{c['compile_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def fmt(v) -> str:
+    return "—" if v is None else f"{v:.3f}"
+
+
+class Ctx:
+    def __init__(self, out: Path, budget: Budget, dry: bool, repeats: int):
+        self.out, self.budget, self.dry, self.repeats = out, budget, dry, repeats
+        self.results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": {}, "targets": TARGETS}
+        self.env: dict = {}
+        self.device = "cuda"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--budget-s", type=float, default=450.0, help="total seconds for all parts")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per arm")
+    p.add_argument("--dry-run", action="store_true", help="plan every part and build its inputs; no CUDA")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("device_check: no CUDA device is visible (use --dry-run to check the plan on a CPU)")
+    wanted = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"device_check: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args.out, Budget(args.budget_s), args.dry_run, args.repeats)
+    funcs = dict(env=part_env, tests=part_tests, tune=part_tune, kernels=part_kernels, dit=part_dit,
+                 compile=part_compile)
+    for name in PARTS:
+        if name not in wanted and name != "env":
+            continue
+        if ctx.budget.for_part(name) <= 1:
+            ctx.results["parts"][name] = dict(status="skipped: budget")
+            continue
+        log(f"part {name} (budget left {ctx.budget.left():.0f}s)")
+        t0 = time.monotonic()
+        try:
+            res = funcs[name](ctx)
+            res.setdefault("status", "ok")
+        except OutOfTime as exc:
+            res = dict(status="incomplete: budget", error=str(exc))
+        except Exception as exc:  # a part that breaks is reported; the next part still runs
+            res = dict(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            if not ctx.dry:
+                torch.cuda.empty_cache()
+        res["seconds"] = time.monotonic() - t0
+        if name == "env":
+            ctx.env = res
+        ctx.results["parts"][name] = res
+        log(f"part {name}: {res['status']} in {res['seconds']:.0f}s" +
+            (f" — {res.get('error')}" if res.get("error") else ""))
+        (args.out / "device_check.json").write_text(json.dumps(ctx.results, indent=1, default=str) + "\n")
+        (args.out / "device_check.md").write_text(markdown(ctx.results))
+    print(markdown(ctx.results))
+    return ctx.results
+
+
+if __name__ == "__main__":
+    main()
