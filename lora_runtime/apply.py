@@ -27,7 +27,7 @@ from .errors import LoraRuntimeError, NonFiniteMergeError
 from .policy import DecisionCache, MergeDecision, decide
 from .runtime_context import runtime_context
 from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
-from .wrapper import LoraLinear
+from .wrapper import LoraLinear, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +117,23 @@ class LoraInjector:
         self.model = model
         self.wrappers: dict[str, LoraLinear] = {}
 
-    # -- wrapping ------------------------------------------------------------------
-    def _set_module(self, name: str, module: nn.Module) -> None:
-        parent_name, _, child = name.rpartition(".")
-        parent = self.model.get_submodule(parent_name) if parent_name else self.model
-        setattr(parent, child, module)
-
+    # -- attaching (instance forward; the module tree is never changed) -----------------
     def _wrap(self, name: str) -> LoraLinear:
         mod = self.model.get_submodule(name)
-        if getattr(mod, "is_lora_wrapper", False):
-            raise LoraRuntimeError(f"layer {name!r} is already wrapped by another LoRA runtime; remove it first")
+        if attached_wrapper(mod) is not None or getattr(mod, "is_lora_wrapper", False):
+            raise LoraRuntimeError(f"layer {name!r} already carries another LoRA runtime's adapters; "
+                                   "let that sampling finish (or remove it) first")
         w = LoraLinear(mod, name)
-        self._set_module(name, w)
+        w.attach()
         self.wrappers[name] = w
         return w
 
     def _unwrap(self, name: str) -> None:
         w = self.wrappers.pop(name)
-        w.unmerge()
-        self._set_module(name, w.base_layer)
+        try:
+            w.unmerge()
+        finally:
+            w.detach()
 
     def unmerge_all(self) -> None:
         errors = []

@@ -18,7 +18,8 @@ Guards
   on-the-fly cast, no quantization attributes, GELU really tanh. Sites failing it
   are listed with the reason and not mounted.
 - call time (live): the fused path runs only inside a non-exact runtime context,
-  with matching dtype/device; and the wrapper is asked whether it adds output now
+  with matching dtype/device; and the layer's adapters (the LoraLinear attached to
+  it, see wrapper.attach) are asked whether they add output now
   (`lora_active`). Inactive (disabled, or merged without offset): the base fused
   epilogue, since the weight already holds any update. Active dynamic adapter: the
   LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
@@ -41,6 +42,7 @@ from ..kernels import linear_gelu_tanh, lora_linear, resolve_backend
 from .fusion_registry import FUSIONS
 from .runtime_context import current_context
 from .settings import Tier, parse_tier
+from .wrapper import attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,13 @@ def find_sites(model: nn.Module) -> list[SiteSpec]:
               and all(_is_passthrough(getattr(m, a)) for a in ("drop1", "norm", "drop2") if hasattr(m, a))):
             sites.append(SiteSpec(path, "mlp", m))
     return sites
+
+
+def lora_wrapper(fc1: nn.Module):
+    """The adapters on this layer: an attached LoraLinear, or the layer itself when it is one."""
+    if getattr(fc1, "is_lora_wrapper", False):
+        return fc1
+    return attached_wrapper(fc1)
 
 
 def _is_linear_like(m) -> bool:
@@ -171,9 +180,10 @@ class MountedSite:
         if (x.dtype != w.dtype or x.device != w.device or getattr(base, "weight_function", None)
                 or x.shape[-1] != w.shape[1]):
             return self.unfused(fc1, x)
-        if getattr(fc1, "is_lora_wrapper", False) and fc1.lora_active:
+        lw = lora_wrapper(fc1)
+        if lw is not None and lw.lora_active:
             if "lora_linear_gelu_tanh" in self.fusions:
-                st = fc1.fusable_stack(x.device, x.dtype)
+                st = lw.fusable_stack(x.device, x.dtype)
                 if st is not None:
                     a, bmat, scale = st
                     out = lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)

@@ -1,9 +1,16 @@
-"""LoraLinear: a Linear (or ComfyUI cast Linear) that carries N adapters.
+"""LoraLinear: the adapters of one Linear (or ComfyUI cast Linear), N at a time.
 
 Contract
-- ``base_layer`` is the wrapped module; ``get_base_layer()`` follows ``.base_layer``
+- ``base_layer`` is the real layer; ``get_base_layer()`` follows ``.base_layer``
   down, so guards always judge the real layer. ``weight``, ``bias`` and every other
   attribute not defined here read through to the wrapped layer.
+- On a model it is **attached, not inserted**: ``attach()`` sets an instance
+  ``forward`` on the real layer (chaining any instance forward already there) and
+  records itself as ``layer._lora_runtime``; the module tree, ``named_modules()``,
+  ``state_dict()`` keys and the Parameters ComfyUI manages are unchanged, and
+  ComfyUI's cast / lowvram ``weight_function`` forward still computes the base output.
+  ``detach()`` puts the previous forward back. ``attached_wrapper(layer)`` reads it.
+  A LoraLinear that is not attached is an ordinary module calling ``base_layer(x)``.
 - Adapters live in ``self.slots`` (ordered by name of insertion); each has its own
   strength and enabled flag. Slot state changes only through the methods below.
 - Dynamic path (adapter not merged): ``y = base(x) + delta`` for every enabled slot
@@ -90,6 +97,26 @@ def _can_add_inplace(y: torch.Tensor) -> bool:
     return y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad)
 
 
+ATTR = "_lora_runtime"
+
+
+def attached_wrapper(layer: nn.Module) -> "LoraLinear | None":
+    """The LoraLinear attached to `layer` (by `attach`), or None."""
+    return layer.__dict__.get(ATTR)
+
+
+def runtime_leftovers(model: nn.Module) -> list[str]:
+    """Modules that still carry LoRA runtime state (an attached wrapper, a forward routed
+    through one, or a wrapper module in the tree); [] after a clean restore."""
+    out = []
+    for name, m in model.named_modules():
+        fwd = m.__dict__.get("forward")
+        if (ATTR in m.__dict__ or getattr(m, "is_lora_wrapper", False)
+                or getattr(getattr(fwd, "__self__", None), "is_lora_wrapper", False)):
+            out.append(name)
+    return out
+
+
 class LoraLinear(nn.Module):
     is_lora_wrapper = True
 
@@ -97,6 +124,9 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.layer_name = name
+        self._base_call = None        # set by attach(): the layer's own forward, called directly
+        self._prev_forward = None     # an instance forward another patch had set, restored on detach
+        self._attached = False
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
@@ -120,6 +150,33 @@ class LoraLinear(nn.Module):
             if base is None:
                 raise
             return getattr(base, name)
+
+    # --- attach to / detach from the real layer ------------------------------------
+    def attach(self) -> None:
+        """Route the real layer's forward through this wrapper, in place (no renaming)."""
+        layer = self.base_layer
+        if attached_wrapper(layer) is not None:
+            raise RuntimeError(f"{self.layer_name}: another LoRA runtime is attached to this layer; detach it first")
+        prev = layer.__dict__.get("forward")
+        self._prev_forward = prev
+        self._base_call = prev if prev is not None else type(layer).forward.__get__(layer)
+        object.__setattr__(layer, ATTR, self)
+        layer.__dict__["forward"] = self.forward
+        self._attached = True
+
+    def detach(self) -> None:
+        """Put the layer's previous forward back. If another patch chained on top of ours
+        meanwhile, ours stays in its chain as a pass-through (adds nothing)."""
+        if not self._attached:
+            return
+        layer = self.base_layer
+        if layer.__dict__.get("forward") == self.forward:
+            if self._prev_forward is None:
+                del layer.__dict__["forward"]
+            else:
+                layer.__dict__["forward"] = self._prev_forward
+        layer.__dict__.pop(ATTR, None)
+        self._attached = False
 
     def get_base_layer(self) -> nn.Module:
         layer = self.base_layer
@@ -258,7 +315,12 @@ class LoraLinear(nn.Module):
 
     # --- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        y = self.base_layer(x, *args, **kwargs)
+        if self._base_call is None:
+            y = self.base_layer(x, *args, **kwargs)
+        else:
+            y = self._base_call(x, *args, **kwargs)
+            if not self._attached:
+                return y  # detached while another patch still chains through us
         dyn, offsets = self._call_plan()
         if not dyn and not offsets:
             return y  # nothing live (no adapter, all off, or merged without offset)

@@ -11,6 +11,7 @@ from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, r
 from comfyui_lora_runtime.lora_runtime.fusion_registry import FUSIONS, Fusion, register
 from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.settings import Tier
+from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
 
 from _fixtures import assert_lossless, lora_pair, write_kohya
 from _sites import FC1, SiteZoo
@@ -37,8 +38,8 @@ def _truth(model, x):
     """fp64 forward of the same model and adapters (exact path in double)."""
     import copy
     m64 = copy.deepcopy(model).double()
-    for mod in m64.modules():
-        if getattr(mod, "is_lora_wrapper", False):
+    for mod in [attached_wrapper(m) for m in m64.modules()]:
+        if mod is not None:
             for s in mod.slots.values():
                 s._cache.clear()
             mod._stack_cache.clear()
@@ -68,7 +69,7 @@ def test_every_fusion_picks_a_side(tmp_path, name, backend, dtype):
             m.unmount()
         # the wrong answer: each site's first linear without its adapter (base weight only)
         for fc1 in FC1:
-            model.get_submodule(fc1).set_enabled("dyn.safetensors", False)
+            attached_wrapper(model.get_submodule(fc1)).set_enabled("dyn.safetensors", False)
         with runtime_context(tier="exact"):
             base_only = model(x)
     assert_lossless(mounted, reference, _truth(_enable_all(model), x), name)
@@ -78,8 +79,8 @@ def test_every_fusion_picks_a_side(tmp_path, name, backend, dtype):
 
 
 def _enable_all(model):
-    for mod in model.modules():
-        if getattr(mod, "is_lora_wrapper", False):
+    for mod in [attached_wrapper(m) for m in model.modules()]:
+        if mod is not None:
             for n in mod.slots:
                 mod.set_enabled(n, True)
     return model

@@ -9,6 +9,7 @@ from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled import progress
 from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
 from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
 from pathlib import Path
@@ -132,7 +133,7 @@ def test_restore_on_interrupt_and_on_error(base, monkeypatch):
     assert calls["n"] >= 2
     w1 = _weights(base)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
-    assert not any(getattr(x, "is_lora_wrapper", False) for x in base.model.diffusion_model.modules())
+    assert runtime_leftovers(base.model.diffusion_model) == []
     from comfyui_lora_runtime import host as host_mod
 
     def boom(*a, **k):

@@ -147,3 +147,8 @@ def assert_lossless(out, ref, truth, what=""):
     assert rms_o <= 1.5 * rms_r + 1e-12, f"{what}: rms {rms_o:.3e} > 1.5 x reference {rms_r:.3e}"
     assert max_o <= 1.5 * max_r + 1e-12, f"{what}: max {max_o:.3e} > 1.5 x reference {max_r:.3e}"
     assert abs(eo.mean().item()) <= 0.25 * rms_r + 1e-12, f"{what}: mean error {eo.mean().item():.3e} biased"
+
+
+def assert_no_runtime_left(model) -> None:
+    from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+    assert runtime_leftovers(model) == []

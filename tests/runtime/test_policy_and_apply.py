@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import (AUTO_MERGE_MAX_ROUNDING_LOSS, AdapterSpec, ConfigError, DecisionCache,
                                                LoraInjector, MergeRefusedError, NonFiniteMergeError, applied, plan)
 
-from _fixtures import TinyWanLike, make_adapter_tensors, write_kohya, write_peft
+from _fixtures import TinyWanLike, assert_no_runtime_left, make_adapter_tensors, write_kohya, write_peft
 
 
 def _snapshot(model):
@@ -125,7 +125,7 @@ def test_quantized_weights_stay_dynamic_and_merge_is_refused(files):
     with pytest.raises(MergeRefusedError, match=r"blocks.0.ffn.0.*quantized.*dynamic"):
         _run(model, [AdapterSpec(str(files["style"]))], "merge")
     _assert_same_state(model, snap)
-    assert not any(getattr(m, "is_lora_wrapper", False) for m in model.modules())
+    assert_no_runtime_left(model)
 
 
 def test_bad_settings_are_refused(files):
@@ -199,3 +199,42 @@ def test_state_transitions_equal_fresh_application(files, mode):
             assert torch.equal(model(x), fresh[b]), f"{a} -> {b} ({mode})"
     inj.clear()
     _assert_same_state(model, snap)
+
+
+def test_applied_keeps_the_module_tree_keys_and_parameters(files):
+    """Adapters ride on instance forwards: while applied, named_modules(), state_dict()
+    keys and the Parameter objects are the model's own, and the output has the adapter."""
+    model = TinyWanLike(dtype=torch.float32)
+    names = [n for n, _ in model.named_modules()]
+    keys = list(model.state_dict().keys())
+    params = {n: p for n, p in model.named_parameters()}
+    x = torch.randn(2, 5, model.blocks[0].ffn[0].in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(x)
+        for mode in ("dynamic", "merge"):
+            with applied(model, plan(model, [AdapterSpec(str(files["style"]))], mode), fusion_backend=None):
+                assert [n for n, _ in model.named_modules()] == names
+                assert list(model.state_dict().keys()) == keys
+                assert all(p is params[n] for n, p in model.named_parameters())
+                out = model(x)
+            assert (out - base).abs().max() > 1e-3, mode  # not the base weights alone
+            assert_no_runtime_left(model)
+            assert torch.equal(model(x), base)
+
+
+def test_a_forward_patched_by_someone_else_is_chained_and_restored(files):
+    model = TinyWanLike(dtype=torch.float32)
+    lin = model.blocks[0].ffn[0]
+    calls = []
+
+    def theirs(x, _orig=type(lin).forward.__get__(lin)):
+        calls.append(1)
+        return _orig(x)
+    lin.forward = theirs
+    x = torch.randn(3, lin.in_features)
+    with torch.no_grad(), applied(model, plan(model, [AdapterSpec(str(files["style"]))], "dynamic"),
+                                  fusion_backend=None):
+        with_adapter = lin(x)
+        assert calls == [1]  # their patch still ran, under ours
+    assert lin.__dict__["forward"] is theirs
+    assert not torch.equal(with_adapter, lin(x))
