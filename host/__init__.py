@@ -8,7 +8,11 @@ functions, so node code never cares which host runs it:
 - `diffusion_model(model)`: the nn.Module inside a MODEL (patcher);
 - `sample(model, ...)`: the host's KSampler (seeded noise, sigmas, sampler) -> LATENT;
 - `sampler_names()`, `scheduler_names()`;
-- `InterruptProcessingException`: what an interrupt raises through sampling.
+- `InterruptProcessingException`: what an interrupt raises through sampling;
+- `add_sampler_wrapper(model, key, fn)`, `get_sampler_wrappers(model, key)`: the
+  patcher's SAMPLER_SAMPLE wrapper hook (nodes/lifecycle.py rides on it);
+- `send_report(report)`: a runtime report for the node that is executing (the web
+  extension shows it on that node; the bundled host hands it to its listeners).
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ def _real_comfyui_present() -> bool:
 REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
-    from .comfy_host import (InterruptProcessingException, diffusion_model, lora_names, resolve_lora,  # noqa: F401
-                             sample, sampler_names, scheduler_names)
+    from .comfy_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
+                             get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
+                             send_report)
     NAME = "comfyui"
 else:
-    from .bundled_host import (InterruptProcessingException, diffusion_model, lora_names, resolve_lora,  # noqa: F401
-                               sample, sampler_names, scheduler_names)
+    from .bundled_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
+                               get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names,
+                               scheduler_names, send_report)
     NAME = "bundled"

@@ -1,7 +1,8 @@
 """Host functions backed by the bundled stand-in (no ComfyUI installed)."""
 from __future__ import annotations
 
-from .bundled import folder_paths
+from .bundled import folder_paths, progress
+from .bundled.model_patcher import SAMPLER_SAMPLE
 from .bundled.core_nodes import _sampler_names, _scheduler_names, sample_with_progress
 from .bundled.progress import InterruptProcessingException  # noqa: F401
 
@@ -17,6 +18,19 @@ def resolve_lora(name: str) -> str:
 
 def diffusion_model(model):
     return model.get_model_object("diffusion_model")
+
+
+def get_sampler_wrappers(model, key: str) -> list:
+    return model.get_wrappers(SAMPLER_SAMPLE, key)
+
+
+def add_sampler_wrapper(model, key: str, fn) -> None:
+    model.add_wrapper_with_key(SAMPLER_SAMPLE, key, fn)
+
+
+def send_report(report: dict) -> None:
+    """The bundled host has no frontend: reports go to its listeners (the CLI, tests)."""
+    progress.emit_event("lora_runtime.report", {"node": progress.current_node_id(), "report": report})
 
 
 def sample(model, *, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise=1.0) -> dict:

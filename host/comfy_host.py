@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import comfy.model_management
+import comfy.patcher_extension
 import comfy.samplers
 import folder_paths
 
@@ -31,35 +32,43 @@ def resolve_lora(name: str) -> str:
     return path
 
 
-def _weights_need_load(model) -> bool:
-    """Whether the module weights do not (yet) hold exactly `model`'s own ComfyUI weight
-    patches: another patcher's patch set is applied (e.g. a LoraLoader branch sampled
-    before), or this patcher has patches that are not applied yet."""
-    inner = getattr(model, "model", None)
-    mine = getattr(model, "patches_uuid", None)
-    if inner is None or mine is None or not hasattr(inner, "current_weight_patches_uuid"):
-        return True  # a ComfyUI we do not know: let model management decide
-    current = inner.current_weight_patches_uuid
-    if current is not None:
-        return current != mine
-    return bool(getattr(model, "patches", None))
-
-
 def diffusion_model(model):
-    """The nn.Module whose layers the adapters go on, with its weights in `model`'s state.
-
-    ComfyUI applies weight patches (its own LoraLoader etc.) lazily, when a patcher is
-    loaded for sampling, and takes another patcher's patches off first by putting the
-    backed-up Parameters back (``unpatch_model`` -> ``set_attr_param``). If the pack
-    wrapped or merged before that, ComfyUI's unpatch would either fail on our wrapper
-    (KeyError "attribute 'weight' already exists") or replace a merged weight under us:
-    the adapter silently dropped, and our restore written into the wrong weights. So
-    when the weights do not hold this patcher's patch state, let ComfyUI load it now;
-    the load inside sampling then finds it loaded and leaves the weights alone.
-    """
-    if _weights_need_load(model):
-        comfy.model_management.load_models_gpu([model])
+    """The nn.Module whose layers the adapters go on. Nothing is loaded or patched here:
+    names and shapes are all the coverage check needs, and the adapters are applied
+    inside sampling (nodes/lifecycle.py), after ComfyUI has loaded the model."""
     return model.get_model_object("diffusion_model")
+
+
+# --- the sampling hook (ComfyUI's own ModelPatcher wrappers) ----------------------
+SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+
+
+def get_sampler_wrappers(model, key: str) -> list:
+    return model.get_wrappers(SAMPLER_SAMPLE, key)
+
+
+def add_sampler_wrapper(model, key: str, fn) -> None:
+    model.add_wrapper_with_key(SAMPLER_SAMPLE, key, fn)
+
+
+REPORT_EVENT = "lora_runtime.report"
+
+
+def send_report(report: dict) -> None:
+    """Send a runtime report to the client that queued the prompt, for the node that is
+    executing (a stock KSampler too): the web extension shows it on that node."""
+    try:
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is None:
+        return
+    ctx = get_executing_context()
+    node = ctx.node_id if ctx is not None else getattr(server, "last_node_id", None)
+    data = {"node": node, "display_node": node, "prompt_id": getattr(ctx, "prompt_id", None), "report": report}
+    server.send_sync(REPORT_EVENT, data, getattr(server, "client_id", None))
 
 
 def sample(model, *, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise=1.0) -> dict:

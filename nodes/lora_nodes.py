@@ -1,9 +1,13 @@
-"""The pack's LoRA nodes. Thin: validate, clone the MODEL, record intent, call the engine.
+"""The pack's LoRA nodes. Thin: validate, clone the MODEL, record intent, register the runtime.
 
-Only the LoRA Sampler touches weights, and only while it samples: it plans the
-adapters recorded on its MODEL, applies them (wrap / merge / mount fusions), runs the
-host's sampler, and restores every weight bit for bit on the way out — also when
-sampling fails or is interrupted.
+The three MODEL nodes record a typed `Intent` on a clone and register the sampling
+wrapper (`lifecycle`): from then on **any** sampler that samples that MODEL (ComfyUI's
+KSampler, KSamplerAdvanced, SamplerCustomAdvanced, other packs', ours) plans the
+adapters, applies them (attach / merge / mount fusions) after ComfyUI has loaded the
+model, samples, and restores every weight bit for bit on the way out, also when
+sampling fails or is interrupted. The LoRA Sampler is KSampler plus the report on its
+node; the LoRA Runtime Report node puts the report of a stock sampler's run on a node
+(and so in the prompt's history).
 """
 from __future__ import annotations
 
@@ -11,10 +15,10 @@ import logging
 import time
 
 from .. import host
-from ..lora_runtime import AdapterSpec, LoraRuntimeError, applied, match_adapter, plan
-from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier
-from . import intent, report
-from .caches import ADAPTERS, decision_cache_for
+from ..lora_runtime import LoraRuntimeError, match_adapter
+from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
+from . import intent, lifecycle, report
+from .caches import ADAPTERS
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +54,10 @@ class LoadLoraAdapter:
     def load(self, model, lora_name, strength):
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
+        # names and shapes only: the model is not loaded or patched here
         _, coverage = match_adapter(adapter, host.diffusion_model(model))  # zero matches raises here
-        current = intent.read(model)
-        entry = {"name": lora_name, "path": path, "strength": float(strength)}
-        out = intent.with_changes(model, adapters=current["adapters"] + [entry])
+        entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"))
+        out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
 
 
@@ -73,7 +77,7 @@ class LoraMergeMode:
     DESCRIPTION = "How the LoRA Sampler applies the adapters on this model."
 
     def set_mode(self, model, mode):
-        return (intent.with_changes(model, mode=MergeMode(mode).value),)
+        return (intent.with_changes(model, mode=MergeMode(mode)),)
 
 
 class LoraQualityTier:
@@ -92,7 +96,7 @@ class LoraQualityTier:
     DESCRIPTION = "What the LoRA Sampler guarantees about its numerics on this model."
 
     def set_tier(self, model, tier):
-        return (intent.with_changes(model, tier=Tier(tier).value),)
+        return (intent.with_changes(model, tier=Tier(tier)),)
 
 
 class LoraSampler:
@@ -123,22 +127,48 @@ class LoraSampler:
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0):
-        want = intent.read(model)
-        dm = host.diffusion_model(model)
-        specs = [AdapterSpec(a["path"], a["strength"], a["name"]) for a in want["adapters"]]
-        p = plan(dm, specs, want["mode"], want["tier"], loader=ADAPTERS.load)
+        if not lifecycle.is_registered(model):  # a MODEL none of our nodes touched: sample it as KSampler would,
+            model = model.clone()                 # with the runtime's report on this node
+            lifecycle.register(model)
+        lifecycle.clear_report(model)
         t0 = time.perf_counter()
-        with applied(dm, p, cache=decision_cache_for(dm)) as applied_report:
-            t_sample = time.perf_counter()
-            latent = host.sample(model, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name,
-                                 scheduler=scheduler, positive=positive, negative=negative, latent=latent_image,
-                                 denoise=denoise)
-            sample_seconds = time.perf_counter() - t_sample
-        r = report.build(applied_report if specs else None, mode=want["mode"], tier=want["tier"], host=host.NAME,
-                         sample_seconds=sample_seconds, steps=steps)
-        r["total_seconds"] = round(time.perf_counter() - t0, 4)
-        log.info("%s", report.text(r))
+        latent = host.sample(model, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name,
+                             scheduler=scheduler, positive=positive, negative=negative, latent=latent_image,
+                             denoise=denoise)
+        r = lifecycle.last_report(model)
+        if r is None:  # nothing to apply (no adapter, default tier), or no step to run (denoise 0)
+            want = intent.read(model)
+            r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME,
+                             sample_seconds=time.perf_counter() - t0, steps=steps)
+            log.info("%s", report.text(r))
         return {"ui": {"lora_report": [r]}, "result": (latent,)}
+
+
+class LoraRuntimeReport:
+    """Shows the runtime report of the last sampling of a MODEL by any sampler."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The MODEL the sampler sampled (the same output that feeds it)."}),
+            "latent": ("LATENT", {"tooltip": "The sampler's output, so this node runs after it."}),
+        }}
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "show"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("The LoRA runtime report (coverage, merge decision, tier, fusions, timings) of the last time "
+                   "any sampler sampled this MODEL; it also lands in the prompt's history.")
+
+    def show(self, model, latent):
+        r = lifecycle.last_report(model)
+        if r is None:
+            raise LoraRuntimeError(
+                "LoRA Runtime Report: this MODEL has not been sampled with the LoRA runtime in this session. Connect "
+                "the same MODEL output that feeds the sampler (after Load LoRA Adapter / Merge Mode / Quality Tier), "
+                "and the sampler's LATENT output to 'latent'.")
+        return {"ui": {"lora_report": [r]}}
 
 
 NODE_CLASS_MAPPINGS = {
@@ -146,10 +176,12 @@ NODE_CLASS_MAPPINGS = {
     "LoraRuntimeMergeMode": LoraMergeMode,
     "LoraRuntimeQualityTier": LoraQualityTier,
     "LoraRuntimeSampler": LoraSampler,
+    "LoraRuntimeReport": LoraRuntimeReport,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "LoraRuntimeLoadAdapter": "Load LoRA Adapter",
     "LoraRuntimeMergeMode": "LoRA Merge Mode",
     "LoraRuntimeQualityTier": "LoRA Quality Tier",
     "LoraRuntimeSampler": "LoRA Sampler",
+    "LoraRuntimeReport": "LoRA Runtime Report",
 }

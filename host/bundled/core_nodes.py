@@ -15,7 +15,7 @@ import random
 import torch
 
 from . import folder_paths
-from .model_patcher import BundledModel, BundledModelPatcher, ModelSamplingFlow
+from .model_patcher import SAMPLER_SAMPLE, BundledModel, BundledModelPatcher, ModelSamplingFlow, run_wrapped
 from .png_metadata import save_png
 from .progress import ProgressBar, throw_exception_if_processing_interrupted
 
@@ -160,24 +160,41 @@ class KSampler:
                                      latent=latent_image, denoise=denoise),)
 
 
+class Guider:
+    """What SAMPLER_SAMPLE wrappers receive first: ComfyUI passes its CFGGuider, whose
+    ``model_patcher`` is the exact MODEL the sampler node got."""
+
+    def __init__(self, model_patcher: BundledModelPatcher):
+        self.model_patcher = model_patcher
+
+
 def sample_with_progress(model: BundledModelPatcher, *, seed, steps, cfg, sampler_name, scheduler,
                          positive, negative, latent, denoise=1.0) -> dict:
     """Run sampling.ksampler on a patcher: its (possibly patched) diffusion model and
-    shift, a ProgressBar step per sampler step, and the interruption check."""
+    shift, a ProgressBar step per sampler step, and the interruption check. The
+    patcher's SAMPLER_SAMPLE wrappers run around it as ComfyUI runs them (after the
+    model is ready, before any model call), with ComfyUI's argument order:
+    (guider, sigmas, extra_args, callback, noise, latent_image, denoise_mask, disable_pbar)."""
     throw_exception_if_processing_interrupted()
-    diffusion_model = model.get_model_object("diffusion_model")
     model_sampling = model.get_model_object("model_sampling")
+    shift = float(model_sampling.shift)
     pbar = ProgressBar(steps)
 
     def callback(step, total, x):
         pbar.update_absolute(step + 1, total)
         throw_exception_if_processing_interrupted()
 
-    with torch.no_grad():
+    def original(guider, sigmas, extra_args, cb, noise, latent_image, denoise_mask, disable_pbar):
+        # the diffusion model is read here, inside the wrappers, as ComfyUI's sampler reads it
         return _sampling().ksampler(
-            diffusion_model, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name,
-            scheduler=scheduler, positive=positive, negative=negative, latent=latent,
-            denoise=denoise, shift=float(model_sampling.shift), callback=callback)
+            model.get_model_object("diffusion_model"), seed=seed, steps=steps, cfg=cfg,
+            sampler_name=sampler_name, scheduler=scheduler, positive=positive, negative=negative,
+            latent=latent_image, denoise=denoise, shift=shift, callback=cb)
+
+    sigmas = _sampling().flow_sigmas(steps, scheduler, shift=shift, denoise=denoise)
+    with torch.no_grad():
+        return run_wrapped(original, None, model.get_all_wrappers(SAMPLER_SAMPLE), Guider(model), sigmas,
+                           {"model_options": model.model_options, "seed": seed}, callback, None, latent, None, False)
 
 
 class SaveImage:

@@ -10,7 +10,10 @@ keeps that shape with only what the pack uses:
   `latent_format`), analogous to comfy's BaseModel.
 - `BundledModelPatcher`: `.model`, `.model_options` (with
   "transformer_options"), `.clone()`, `add_object_patch`, `get_model_object`,
-  `is_clone`.
+  `is_clone`, and ComfyUI's wrapper registry (`add_wrapper_with_key`,
+  `get_wrappers`, `remove_wrappers_with_key`, copied on clone like ComfyUI's).
+- `run_wrapped(original, class_obj, wrappers, *args)`: ComfyUI's WrapperExecutor
+  semantics (the first wrapper is the outermost; each calls ``executor(*args)``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,25 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
+SAMPLER_SAMPLE = "sampler_sample"  # comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+
+
+class WrapperExecutor:
+    """One link of a wrapper chain: calling it runs the next wrapper, or the original."""
+
+    def __init__(self, original, class_obj, wrappers: list, idx: int = 0):
+        self.original, self.class_obj, self.wrappers, self.idx = original, class_obj, wrappers, idx
+
+    def __call__(self, *args, **kwargs):
+        if self.idx >= len(self.wrappers):
+            return self.original(*args, **kwargs)
+        nxt = WrapperExecutor(self.original, self.class_obj, self.wrappers, self.idx + 1)
+        return self.wrappers[self.idx](nxt, *args, **kwargs)
+
+
+def run_wrapped(original, class_obj, wrappers: list, *args, **kwargs):
+    return WrapperExecutor(original, class_obj, list(wrappers))(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +94,7 @@ class BundledModelPatcher:
         self.offload_device = torch.device(offload_device)
         self.model_options: dict[str, Any] = {"transformer_options": {}}
         self.object_patches: dict[str, Any] = {}
+        self.wrappers: dict[str, dict[str, list]] = {}
         self.parent: BundledModelPatcher | None = None
 
     def __repr__(self) -> str:
@@ -84,8 +107,22 @@ class BundledModelPatcher:
         # clone must not reach back into its parent.
         n.model_options = copy.deepcopy(self.model_options)
         n.object_patches = dict(self.object_patches)
+        n.wrappers = {t: {k: list(v) for k, v in keyed.items()} for t, keyed in self.wrappers.items()}
         n.parent = self
         return n
+
+    # ComfyUI's wrapper registry (comfy/model_patcher.py, patcher_extension.py)
+    def add_wrapper_with_key(self, wrapper_type: str, key: str, wrapper) -> None:
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def get_wrappers(self, wrapper_type: str, key: str) -> list:
+        return self.wrappers.get(wrapper_type, {}).get(key, [])
+
+    def remove_wrappers_with_key(self, wrapper_type: str, key: str) -> None:
+        self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+    def get_all_wrappers(self, wrapper_type: str) -> list:
+        return [w for keyed in self.wrappers.get(wrapper_type, {}).values() for w in keyed]
 
     def is_clone(self, other: Any) -> bool:
         return getattr(other, "model", None) is self.model

@@ -102,3 +102,36 @@ def throw_exception_if_processing_interrupted() -> None:
         if _interrupt_flag:
             _interrupt_flag = False
             raise InterruptProcessingException("processing interrupted")
+
+
+# --- custom events (ComfyUI's PromptServer.send_sync role) --------------------------
+EventListener = Callable[[str, dict], None]
+_listeners: list[EventListener] = []
+
+
+def add_event_listener(fn: EventListener) -> None:
+    _listeners.append(fn)
+
+
+def remove_event_listener(fn: EventListener) -> None:
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
+@contextlib.contextmanager
+def listening(fn: EventListener) -> Iterator[None]:
+    add_event_listener(fn)
+    try:
+        yield
+    finally:
+        remove_event_listener(fn)
+
+
+def emit_event(event: str, data: dict) -> None:
+    """Hand a custom event (e.g. a LoRA runtime report) to every listener; a listener
+    that raises is logged, never breaks the run."""
+    for fn in list(_listeners):
+        try:
+            fn(event, data)
+        except Exception:  # a listener must not break sampling
+            log.exception("event listener %r failed on %s", fn, event)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
 
@@ -51,3 +52,9 @@ def folders(models_dir, tmp_path):
     f = folder_paths.ModelFolders(models_dir=models_dir, output_dir=tmp_path / "out")
     with folder_paths.activated(f):
         yield f
+
+
+@pytest.fixture
+def base(folders):
+    from comfyui_lora_runtime.host.bundled.core_nodes import UNETLoader
+    return UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]

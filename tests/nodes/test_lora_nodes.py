@@ -9,58 +9,11 @@ from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled import progress
 from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
 from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
 from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
-from pathlib import Path
-
-REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
-
-
-class CondPos:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"which": (["pos", "neg"],)}}
-    RETURN_TYPES = ("CONDITIONING",)
-    FUNCTION = "go"
-
-    def go(self, which):
-        c = load_file(str(REF / "cond_pos.safetensors"))["cond_pos"]
-        return ([[c if which == "pos" else torch.zeros_like(c), {}]],)
-
-
-class Capture:
-    OUTPUT_NODE = True
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"samples": ("LATENT",)}}
-    RETURN_TYPES = ()
-    FUNCTION = "go"
-    seen = []
-
-    def go(self, samples):
-        Capture.seen.append(samples["samples"].clone())
-        return {"ui": {"n": [1]}}
-
-
-CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS, "CondPos": CondPos, "Capture": Capture}
-
-
-def _weights(patcher):
-    return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
-
-
-def _sample(model, seed=42, steps=3):
-    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
-    pos = CondPos().go("pos")[0]
-    neg = CondPos().go("neg")[0]
-    out = LoraSampler().sample(model, seed, steps, 5.0, "euler", "simple", pos, neg, latent, 1.0)
-    return out["result"][0]["samples"], out["ui"]["lora_report"][0]
-
-
-@pytest.fixture
-def base(folders):
-    return UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]
+from _nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  # noqa: F401
 
 
 def test_no_adapter_equals_ksampler_bit_for_bit(base):
@@ -82,8 +35,9 @@ def test_nodes_clone_and_never_mutate(base):
     a3 = LoraQualityTier().set_tier(a2, "exact")[0]
     assert base.model_options == before_opts
     assert a is not base and a.model is base.model
-    assert [x["name"] for x in a3.model_options["lora_runtime"]["adapters"]] == ["style.safetensors"]
-    assert a.model_options["lora_runtime"]["mode"] == "auto" and a2.model_options["lora_runtime"]["mode"] == "merge"
+    assert [x.name for x in a3.model_options["lora_runtime"].adapters] == ["style.safetensors"]
+    assert a.model_options["lora_runtime"].mode is MergeMode.AUTO and a2.model_options["lora_runtime"].mode is MergeMode.MERGE
+    assert a3.model_options["lora_runtime"].tier is Tier.EXACT  # typed end to end
     y_base, _ = _sample(base)
     y_a, rep_a = _sample(a3)
     y_b, _ = _sample(b)

@@ -1,0 +1,88 @@
+"""The LoRA runtime around every sampler that samples a MODEL our nodes touched.
+
+Our nodes record an `Intent` on a MODEL clone and `register` this module's wrapper on
+it. The wrapper rides on ComfyUI's own ModelPatcher hook ``WrappersMP.SAMPLER_SAMPLE``
+(the bundled host's patcher has the same hook), so ComfyUI's KSampler,
+KSamplerAdvanced, SamplerCustom(Advanced), other packs' samplers and our LoRA Sampler
+all run the same lifecycle:
+
+    ComfyUI: prepare_sampling -> load_models_gpu (its own weight patches applied,
+             object patches and injections in place) -> pre_run
+      our wrapper: plan -> apply (attach / merge / mount fusions) on the device and
+                   dtype ComfyUI chose -> the sampler's own loop -> restore
+    ComfyUI: cleanup
+
+Why SAMPLER_SAMPLE and not OUTER_SAMPLE: OUTER_SAMPLE runs before ComfyUI loads the
+model, so a merge there would be undone or doubled by ComfyUI's own patching.
+
+Contract
+- `register(patcher)` is idempotent; clones inherit the wrapper (ComfyUI copies
+  wrapper lists on clone) and each clone carries its own Intent.
+- The wrapper reads the Intent of the patcher being sampled (``guider.model_patcher``,
+  the exact MODEL object the sampler node received). No adapters and the default tier:
+  it calls straight through.
+- Every exit restores: merged weights bit for bit, forwards and fusion sites put back,
+  also on error, interrupt or out-of-memory; the error then propagates unchanged.
+- The report (the dict the LoRA Sampler shows) is stored on the patcher
+  (`last_report`), logged, and sent to the frontend for the node that is executing
+  (`host.send_report`), so a stock KSampler gets the badge and the LoRA Runtime Report
+  node can put it in the prompt's history.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import host
+from ..lora_runtime import applied, plan
+from . import intent as intent_mod
+from . import report as report_mod
+from .caches import ADAPTERS, decision_cache_for
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "comfyui_lora_runtime"
+_REPORT_ATTR = "_lora_runtime_report"
+
+
+def is_registered(patcher) -> bool:
+    return bool(host.get_sampler_wrappers(patcher, WRAPPER_KEY))
+
+
+def register(patcher) -> None:
+    """Make every sampling of `patcher` (and of its later clones) run the LoRA runtime."""
+    if not is_registered(patcher):
+        host.add_sampler_wrapper(patcher, WRAPPER_KEY, sampler_sample_wrapper)
+
+
+def last_report(patcher) -> dict | None:
+    """The report of the last sampling of this exact MODEL object, or None."""
+    return getattr(patcher, _REPORT_ATTR, None)
+
+
+def clear_report(patcher) -> None:
+    setattr(patcher, _REPORT_ATTR, None)
+
+
+def sampler_sample_wrapper(executor, *args, **kwargs):
+    """SAMPLER_SAMPLE wrapper: args = (guider, sigmas, extra_args, callback, noise, latent, mask, disable_pbar)."""
+    guider, sigmas = args[0], args[1]
+    patcher = guider.model_patcher
+    want = intent_mod.read(patcher)
+    if not want.touches_model:
+        return executor(*args, **kwargs)
+    steps = max(1, len(sigmas) - 1)
+    dm = patcher.get_model_object("diffusion_model")
+    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load)
+    t0 = time.perf_counter()
+    with applied(dm, p, cache=decision_cache_for(dm)) as applied_report:
+        t_sample = time.perf_counter()
+        out = executor(*args, **kwargs)
+        sample_seconds = time.perf_counter() - t_sample
+    r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
+                         host=host.NAME, sample_seconds=sample_seconds, steps=steps)
+    r["total_seconds"] = round(time.perf_counter() - t0, 4)
+    setattr(patcher, _REPORT_ATTR, r)
+    log.info("%s", report_mod.text(r))
+    host.send_report(r)
+    return out

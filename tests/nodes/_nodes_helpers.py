@@ -1,0 +1,53 @@
+"""Shared by the node tests: reference conditioning, a capturing output node, the node
+classes of a bundled-host graph, weight snapshots and one LoRA Sampler call."""
+import torch
+from safetensors.torch import load_file
+
+from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.nodes.lora_nodes import LoraSampler
+
+from pathlib import Path
+
+REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
+
+
+class CondPos:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"which": (["pos", "neg"],)}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "go"
+
+    def go(self, which):
+        c = load_file(str(REF / "cond_pos.safetensors"))["cond_pos"]
+        return ([[c if which == "pos" else torch.zeros_like(c), {}]],)
+
+
+class Capture:
+    OUTPUT_NODE = True
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+    RETURN_TYPES = ()
+    FUNCTION = "go"
+    seen = []
+
+    def go(self, samples):
+        Capture.seen.append(samples["samples"].clone())
+        return {"ui": {"n": [1]}}
+
+
+CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS, "CondPos": CondPos, "Capture": Capture}
+
+
+def _weights(patcher):
+    return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+
+
+def _sample(model, seed=42, steps=3):
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    pos = CondPos().go("pos")[0]
+    neg = CondPos().go("neg")[0]
+    out = LoraSampler().sample(model, seed, steps, 5.0, "euler", "simple", pos, neg, latent, 1.0)
+    return out["result"][0]["samples"], out["ui"]["lora_report"][0]
