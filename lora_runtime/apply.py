@@ -56,6 +56,9 @@ class Plan:
     mode: MergeMode
     tier: Tier
     adapters: list[PlannedAdapter]
+    # module name -> why its weight must not be merged into (set by the host, e.g. ComfyUI
+    # patches that weight itself and may restore its own backup into it mid-sampling)
+    merge_refusals: dict[str, str] = field(default_factory=dict)
 
     def modules(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -163,6 +166,7 @@ class LoraInjector:
             self._unwrap(name)
         for name, entries in wanted.items():
             w = self.wrappers.get(name) or self._wrap(name)
+            w.merge_refusal = p.merge_refusals.get(name, "")
             old = dict(w.slots)
             w.slots.clear()
             w._invalidate()
@@ -177,7 +181,7 @@ class LoraInjector:
         wrappers = [self.wrappers[n] for n in wanted]
         decision = decide(p.mode, wrappers, cache) if wrappers else None
         if decision is not None and decision.chosen == "merge":
-            self._merge_all(wrappers, wanted)
+            self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic], wanted)
         report = ApplyReport(
             tier=p.tier.value,
             decision=decision,

@@ -135,14 +135,19 @@ def restore_weight(weight: torch.Tensor, record: RestoreRecord, delta_rows: Delt
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
     """Undo `merge_weight` bit for bit (never by subtracting alone)."""
     w = weight.detach()
+    if w.dtype != record.dtype or tuple(w.shape) != record.shape:
+        raise RestoreError(
+            f"{what}: the weight became {w.dtype} {tuple(w.shape)} after the merge ({record.dtype} {record.shape}); "
+            "something cast or replaced it while the adapter was merged, so it cannot be restored bit for bit. "
+            "Reload the model, and use merge mode 'dynamic' with whatever changes the weight")
     if record.kind == "full":
         w.copy_(record.full)
     else:
         rows, cols = w.shape
         for sl in row_chunks(rows, cols, chunk_bytes):
             w[sl] = (w[sl].float() - delta_rows(sl)).to(w.dtype)
-        if record.index.numel():
-            w.view(-1)[record.index.long()] = record.values
+        if record.index.numel():  # the weight may have moved device since the merge (ComfyUI offload)
+            w.view(-1)[record.index.to(w.device).long()] = record.values.to(w.device)
     if fingerprint(w) != record.fingerprint:
         raise RestoreError(
             f"{what}: the restored weight does not match the original fingerprint "

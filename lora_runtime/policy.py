@@ -38,12 +38,20 @@ class MergeDecision:
     layers: int
     cached: bool = False
     threshold: float = AUTO_MERGE_MAX_ROUNDING_LOSS
+    # layers the host will not let us merge into right now (see LoraLinear.merge_refusal):
+    # they stay dynamic whatever is chosen for the rest; layer name -> reason
+    kept_dynamic: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "requested": self.requested, "chosen": self.chosen, "share_lost": self.share_lost,
             "reason": self.reason, "layers": self.layers, "cached": self.cached, "threshold": self.threshold,
         }
+        if self.kept_dynamic and self.chosen == "merge":
+            d["kept_dynamic"] = len(self.kept_dynamic)
+            d["kept_dynamic_reason"] = next(iter(self.kept_dynamic.values()))
+            d["kept_dynamic_examples"] = list(self.kept_dynamic)[:3]
+        return d
 
 
 @dataclass
@@ -82,7 +90,11 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     n = len(wrappers)
     if mode is MergeMode.DYNAMIC:
         return MergeDecision(mode.value, "dynamic", None, "dynamic mode never touches the weights", n)
-    refused = [(w.layer_name, why) for w in wrappers for ok, why in [mergeable(w)] if not ok]
+    # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
+    # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
+    soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
+    rest = [w for w in wrappers if w.layer_name not in soft]
+    refused = [(w.layer_name, why) for w in rest for ok, why in [mergeable(w)] if not ok]
     if mode is MergeMode.MERGE:
         if refused:
             name, why = refused[0]
@@ -90,16 +102,22 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
                 f"merge mode 'merge' cannot fold the adapter into layer {name!r}: {why} "
                 f"({len(refused)} such layers). Use merge mode 'dynamic' (or 'auto')."
             )
-        return MergeDecision(mode.value, "merge", None, "merge mode folds every adapter into the weights", n)
+        reason = "merge mode folds every adapter into the weights"
+        if soft:
+            reason += f"; {len(soft)} layers stay dynamic ({next(iter(soft.values()))})"
+        return MergeDecision(mode.value, "merge" if rest else "dynamic", None, reason, n, kept_dynamic=soft)
     if refused:
         name, why = refused[0]
         return MergeDecision(mode.value, "dynamic", None, f"{len(refused)} layers cannot take a merge (e.g. {name}: {why})", n)
-    key = _cache_key(wrappers)
+    if not rest:
+        return MergeDecision(mode.value, "dynamic", None, f"no layer may be merged into: {next(iter(soft.values()))}",
+                             n, kept_dynamic=soft)
+    key = _cache_key(rest)
     cached = cache is not None and key in cache.shares
     if cached:
         share = cache.shares[key]
     else:
-        share = measure_share_lost(wrappers)
+        share = measure_share_lost(rest)
         if cache is not None:
             cache.shares[key] = share
             cache.measurements += 1
@@ -110,5 +128,7 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     else:
         reason = f"merged: a merge rounds away {share:.0%} of its update (<= {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})"
         chosen = "merge"
+        if soft:
+            reason += f"; {len(soft)} layers stay dynamic ({next(iter(soft.values()))})"
     log.info("LoRA auto merge over %d layers: %s", n, reason)
-    return MergeDecision(mode.value, chosen, share, reason, n, cached)
+    return MergeDecision(mode.value, chosen, share, reason, n, cached, kept_dynamic=soft)

@@ -73,10 +73,15 @@ class AdapterSlot:
 
 def mergeable(layer: nn.Module) -> tuple[bool, str]:
     """Can a merge write into this layer's weight? Judged on the wrapped layer."""
+    refusal = getattr(layer, "merge_refusal", "")
+    if refusal:
+        return False, refusal
     base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
     w = getattr(base, "weight", None)
     if w is None:
         return False, "layer has no weight"
+    if getattr(base, "weight_lowvram_function", None) is not None or getattr(base, "_v", None) is not None:
+        return False, "weight is streamed and patched per call (ComfyUI dynamic VRAM)"
     if type(w) not in (torch.Tensor, nn.Parameter):
         return False, f"weight is a {type(w).__name__} (quantized/packed)"
     if w.dtype not in _FLOAT_WEIGHTS:
@@ -127,6 +132,7 @@ class LoraLinear(nn.Module):
         self._base_call = None        # set by attach(): the layer's own forward, called directly
         self._prev_forward = None     # an instance forward another patch had set, restored on detach
         self._attached = False
+        self.merge_refusal = ""       # set by the host: why this layer's weight must not be merged into
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()

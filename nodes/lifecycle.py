@@ -64,6 +64,22 @@ def clear_report(patcher) -> None:
     setattr(patcher, _REPORT_ATTR, None)
 
 
+COMFY_PATCHED = ("ComfyUI patches this weight itself (a LoraLoader or other model patch upstream) and may "
+                 "put its own backup back into it if it offloads the layer mid-run, so our adapter stays "
+                 "dynamic on it")
+
+
+def host_patched_layers(patcher) -> dict[str, str]:
+    """Layers whose weight the host patches itself (ComfyUI ``patcher.patches`` keys
+    ``diffusion_model.<layer>.weight``): a merge there is refused, the layer stays dynamic."""
+    out = {}
+    for key in getattr(patcher, "patches", None) or {}:
+        k = key[0] if isinstance(key, tuple) else key
+        if isinstance(k, str) and k.startswith("diffusion_model.") and k.endswith(".weight"):
+            out[k[len("diffusion_model."):-len(".weight")]] = COMFY_PATCHED
+    return out
+
+
 def sampler_sample_wrapper(executor, *args, **kwargs):
     """SAMPLER_SAMPLE wrapper: args = (guider, sigmas, extra_args, callback, noise, latent, mask, disable_pbar)."""
     guider, sigmas = args[0], args[1]
@@ -74,6 +90,7 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     steps = max(1, len(sigmas) - 1)
     dm = patcher.get_model_object("diffusion_model")
     p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load)
+    p.merge_refusals = host_patched_layers(patcher)
     t0 = time.perf_counter()
     with applied(dm, p, cache=decision_cache_for(dm)) as applied_report:
         t_sample = time.perf_counter()

@@ -38,6 +38,8 @@ def text(r: dict) -> str:
         f"LoRA runtime ({r['host']} host): tier {r['tier']}, mode {r['mode_requested']} -> "
         f"{dec.get('chosen', 'no adapter')}" + (f" (a merge would lose {share:.1%})" if share is not None else ""),
     ]
+    if dec.get("kept_dynamic"):
+        lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
     for a in r["adapters"]:
         c = a.get("coverage") or {}
         lines.append(f"  {a['name']} x{a['strength']}: {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"

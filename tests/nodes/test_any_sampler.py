@@ -131,3 +131,15 @@ def test_loading_an_adapter_does_not_touch_the_model(base):
     LoadLoraAdapter().load(base, "style.safetensors", 1.0)
     assert runtime_leftovers(base.model.diffusion_model) == []
     assert all(torch.equal(w0[k], v) for k, v in _weights(base).items())
+
+
+def test_layers_the_host_patches_itself_stay_dynamic(base):
+    m = LoraMergeMode().set_mode(LoadLoraAdapter().load(base, "style.safetensors", 1.0)["result"][0], "merge")[0]
+    m.patches = {"diffusion_model.blocks.0.ffn.0.weight": ["a ComfyUI LoraLoader patch"]}  # as ComfyUI keeps them
+    merged_elsewhere = _ksampler(m)
+    r = lifecycle.last_report(m)
+    assert r["decision"]["chosen"] == "merge" and r["decision"]["kept_dynamic"] == 1
+    assert r["decision"]["kept_dynamic_examples"] == ["blocks.0.ffn.0"]
+    assert "ComfyUI patches this weight itself" in r["decision"]["kept_dynamic_reason"]
+    dyn = LoraMergeMode().set_mode(m, "dynamic")[0]
+    assert (merged_elsewhere - _ksampler(dyn)).abs().max() < 0.05  # same adapter, merge vs dynamic rounding

@@ -238,3 +238,45 @@ def test_a_forward_patched_by_someone_else_is_chained_and_restored(files):
         assert calls == [1]  # their patch still ran, under ours
     assert lin.__dict__["forward"] is theirs
     assert not torch.equal(with_adapter, lin(x))
+
+
+@pytest.mark.parametrize("mode", ["merge", "auto"])
+def test_layers_the_host_refuses_stay_dynamic_while_the_rest_merges(files, mode):
+    """A host refusal (ComfyUI patches that weight itself) keeps that one layer dynamic:
+    the output is the all-dynamic one, only the other layers' weights change while applied,
+    and every weight comes back bit for bit."""
+    model = TinyWanLike(dtype=torch.bfloat16)
+    snap = _snapshot(model)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    spec = [AdapterSpec(str(files["style"]))]
+    with torch.no_grad():
+        dynamic, _ = _run(model, spec, "dynamic", x=x)
+        p = plan(model, spec, mode, "exact")
+        p.merge_refusals = {"blocks.0.ffn.0": "host patches it"}
+        with applied(model, p, fusion_backend=None) as rep:
+            held = model.blocks[0].ffn[0].weight.detach().clone()
+            other = model.blocks[0].ffn[2].weight.detach().clone()
+            out = model(x)
+    d = rep.decision
+    assert d.chosen == "merge" and d.kept_dynamic == {"blocks.0.ffn.0": "host patches it"}
+    assert d.to_dict()["kept_dynamic"] == 1 and "host patches it" in d.reason
+    assert torch.equal(held, snap["blocks.0.ffn.0.weight"])               # not merged into
+    assert not torch.equal(other, snap["blocks.0.ffn.2.weight"])          # merged
+    assert (out.float() - dynamic.float()).abs().max() < 0.05 * dynamic.float().abs().max()
+    _assert_same_state(model, snap)
+
+
+def test_restore_follows_a_weight_that_moved_and_refuses_one_that_was_cast(files):
+    from comfyui_lora_runtime.lora_runtime import RestoreError
+    model = TinyWanLike(dtype=torch.bfloat16)
+    snap = _snapshot(model)
+    inj = LoraInjector(model)
+    inj.apply(plan(model, [AdapterSpec(str(files["style"]))], "merge"))
+    lin = model.blocks[0].ffn[0]
+    lin.weight.data = lin.weight.data.clone()   # new storage, same values (what an offload and back does)
+    inj.clear()
+    _assert_same_state(model, snap)
+    inj.apply(plan(model, [AdapterSpec(str(files["style"]))], "merge"))
+    lin.weight.data = lin.weight.data.half()    # cast while merged: no bit-exact way back
+    with pytest.raises(RestoreError, match=r"blocks.0.ffn.0.*cast or replaced.*dynamic"):
+        inj.clear()
