@@ -17,6 +17,14 @@ Guards
   (``get_base_layer()``): a plain float weight, no weight-function patches, no
   on-the-fly cast, no quantization attributes, GELU really tanh. Sites failing it
   are listed with the reason and not mounted.
+- probe (mount time): every fused path the site may take is compiled and launched on
+  its real weights and adapter factors and compared with the fp32 reference; a path
+  that fails or disagrees leaves the site unmounted, with the reason in the report.
+  After that nothing is caught: a kernel error during sampling (out-of-memory too)
+  propagates, after the weights are restored, never a silent switch of path.
+- speed (CUDA, first call per shape bucket): the fused and the unfused path are both
+  timed on the real input and the faster one is kept for that bucket (the report says
+  which and the times): a fused kernel that loses to cuBLAS on this GPU is not used.
 - call time (live): the fused path runs only inside a non-exact runtime context,
   with matching dtype/device; and the layer's adapters (the LoraLinear attached to
   it, see wrapper.attach) are asked whether they add output now
@@ -39,6 +47,9 @@ import torch
 from torch import nn
 
 from ..kernels import linear_gelu_tanh, lora_linear, resolve_backend
+from ..kernels.launch_configs import m_bucket
+from ..kernels.linear_gelu_tanh import linear_gelu_tanh_torch
+from ..kernels.lora_linear import lora_linear_torch
 from .fusion_registry import FUSIONS
 from .runtime_context import current_context
 from .settings import Tier, parse_tier
@@ -132,7 +143,7 @@ class MountedSite:
     def __init__(self, spec: SiteSpec, fusions: tuple[str, ...], tier: Tier, backend: str):
         self.spec, self.fusions, self.tier, self.backend = spec, fusions, tier, backend
         self.routes: Counter = Counter()
-        self.disabled: str = ""  # set when a kernel failed to run here: the site stays unfused
+        self.speed: dict[str, dict] = {}  # measured choice per shape bucket (CUDA): key -> ms of both paths
         module = spec.module
         if spec.kind == "sequential":
             def fwd(x, _s=self):
@@ -156,23 +167,49 @@ class MountedSite:
     def unmount(self) -> None:
         self.spec.module.__dict__.pop("forward", None)
 
-    def unfused(self, fc1: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        self.routes["unfused"] += 1
+    @torch.no_grad()
+    def probe(self) -> str:
+        """Compile and launch every fused path this site may take, on its real weights (and
+        its adapters' real factors) with a 16-row input, and compare with the fp32 reference
+        of the same math. '' when every path ran and agreed, else why not (the site is then
+        not mounted). Only here are kernel errors caught: at call time they propagate."""
+        fc1 = self.spec.fc1()
+        base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+        w, b = base.weight, base.bias
+        x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        checks = []
+        if "linear_gelu_tanh" in self.fusions:
+            checks.append(("linear_gelu_tanh", lambda: linear_gelu_tanh(x, w, b, backend=self.backend),
+                           lambda: linear_gelu_tanh_torch(x, w, b)))
+        lw = lora_wrapper(fc1)
+        st = lw.fusable_stack(x.device, x.dtype) if lw is not None and lw.lora_active else None
+        if "lora_linear_gelu_tanh" in self.fusions and st is not None:
+            a, bm, scale = st
+            checks.append(("lora_linear_gelu_tanh", lambda: lora_linear(x, w, b, a, bm, scale, gelu=True,
+                                                                        backend=self.backend),
+                           lambda: lora_linear_torch(x, w, b, a, bm, scale, gelu=True)))
+        for name, fused, reference in checks:
+            try:
+                got, want = fused().float(), reference().float()
+            except Exception as e:  # the probe is where a kernel that cannot compile or launch here is caught
+                return f"{name} failed its probe on {w.device} ({type(e).__name__}: {str(e)[:240]})"
+            # 4 ulps of the output dtype at the output's scale: a broken tile or launch is off by O(1)
+            tol = 4 * torch.finfo(w.dtype).eps * float(want.abs().max().clamp_min(1.0))
+            err = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+            if not err <= tol:
+                return f"{name} computed wrong on {w.device} in its probe (max error {err:.3g} > {tol:.3g})"
+        return ""
+
+    def unfused(self, fc1: nn.Module, x: torch.Tensor, route: str = "unfused") -> torch.Tensor:
+        self.routes[route] += 1
         return torch.nn.functional.gelu(fc1(x), approximate="tanh")
 
     def linear_gelu(self, x: torch.Tensor) -> torch.Tensor:
         fc1 = self.spec.fc1()
         ctx = current_context()
-        if self.disabled or ctx is None or not ctx.tier.admits(Tier.LOSSLESS) or not ctx.tier.admits(self.tier):
+        if ctx is None or not ctx.tier.admits(Tier.LOSSLESS) or not ctx.tier.admits(self.tier):
             return self.unfused(fc1, x)
-        try:
-            return self._routed(fc1, x, ctx)
-        except (RuntimeError, ValueError, TypeError) as e:
-            # a kernel that cannot compile or launch here (e.g. an unsupported GPU) must not
-            # break sampling: this site runs unfused from now on, said in the log and the report
-            self.disabled = f"{type(e).__name__}: {e}"[:300]
-            log.warning("fusion site %s: fused kernel failed (%s); running it unfused", self.spec.path, self.disabled)
-            return self.unfused(fc1, x)
+        return self._routed(fc1, x, ctx)
 
     def _routed(self, fc1: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
         base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
@@ -186,21 +223,62 @@ class MountedSite:
                 st = lw.fusable_stack(x.device, x.dtype)
                 if st is not None:
                     a, bmat, scale = st
-                    out = lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
-                    self.routes["lora_fused"] += 1
-                    return out
+                    def fused():
+                        return lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
+                    if self._fused_is_faster("lora", x, w, a.shape[0], fused, lambda: self._eager(fc1, x)):
+                        self.routes["lora_fused"] += 1
+                        return fused()
+                    return self.unfused(fc1, x, "unfused (measured faster here)")
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
-            out = linear_gelu_tanh(x, w, b, backend=self.backend)
-            self.routes["base_fused"] += 1
-            return out
+            def fused():
+                return linear_gelu_tanh(x, w, b, backend=self.backend)
+            if self._fused_is_faster("base", x, w, 0, fused, lambda: self._eager(fc1, x)):
+                self.routes["base_fused"] += 1
+                return fused()
+            return self.unfused(fc1, x, "unfused (measured faster here)")
         return self.unfused(fc1, x)
+
+    @staticmethod
+    def _eager(fc1, x):
+        return torch.nn.functional.gelu(fc1(x), approximate="tanh")
+
+    def _fused_is_faster(self, kind: str, x, w, rank: int, fused, eager) -> bool:
+        """On CUDA, the first call of each shape bucket times both paths on the real input
+        (shared by every site of that shape) and keeps the faster; elsewhere fused."""
+        if not x.is_cuda:
+            return True
+        key = (str(x.device), str(x.dtype), kind, tuple(w.shape), rank, m_bucket(x.numel() // x.shape[-1]))
+        choice = _SPEED_CHOICES.get(key)
+        if choice is None:
+            f_ms, e_ms = _time_cuda(fused), _time_cuda(eager)
+            choice = _SPEED_CHOICES[key] = {"fused_ms": round(f_ms, 4), "unfused_ms": round(e_ms, 4),
+                                            "fused": f_ms <= e_ms}
+        self.speed[f"{kind} M<={key[-1]} R={rank}"] = choice
+        return choice["fused"]
 
     def report(self) -> dict:
         r = {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes)}
-        if self.disabled:
-            r["disabled"] = self.disabled
+        if self.speed:
+            r["measured"] = dict(self.speed)
         return r
+
+
+_SPEED_CHOICES: dict[tuple, dict] = {}
+
+
+def _time_cuda(fn, reps: int = 3) -> float:
+    """Median ms of `fn` on the current CUDA stream after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass
@@ -235,7 +313,14 @@ def mount_fusions(model: nn.Module, tier, backend: str = "auto", only: list[str]
         if not ok:
             mounted.skipped[spec.path] = why
             continue
-        mounted.sites.append(MountedSite(spec, names, tier, backend))
+        site = MountedSite(spec, names, tier, backend)
+        why = site.probe()
+        if why:
+            site.unmount()
+            log.warning("fusion site %s left unfused: %s", spec.path, why)
+            mounted.skipped[spec.path] = why
+            continue
+        mounted.sites.append(site)
     if mounted.sites:
         log.info("mounted %s on %d sites", ", ".join(names), len(mounted.sites))
     return mounted

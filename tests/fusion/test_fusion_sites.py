@@ -12,6 +12,8 @@ from comfyui_lora_runtime.lora_runtime.fusion_sites import find_sites, mount_fus
 from _fixtures import assert_lossless, lora_pair, write_kohya
 from _sites import FC1, SiteZoo
 
+SITES = ["blocks.0.ffn", "ff.net.0", "mlp"]
+
 
 def _adapter_file(tmp_path, model, names, seed=1, scale=0.2, diff_b=False):
     pairs = {}
@@ -183,7 +185,7 @@ def test_applied_mounts_reports_and_unmounts(tmp_path):
     assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
 
 
-def test_a_kernel_that_fails_to_run_leaves_the_site_unfused(tmp_path, monkeypatch):
+def test_a_kernel_that_fails_its_probe_leaves_the_site_unmounted(tmp_path, monkeypatch):
     import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
 
     def broken(*a, **k):
@@ -197,10 +199,39 @@ def test_a_kernel_that_fails_to_run_leaves_the_site_unfused(tmp_path, monkeypatc
         ref = model(x)
         m = mount_fusions(model, "lossless", backend="torch")
         y = model(x)
-        y2 = model(x)
         m.unmount()
-    assert torch.equal(y, ref) and torch.equal(y2, ref)
-    reps = m.report()
-    assert all("PTX not supported" in r["disabled"] for r in reps)
-    assert _routes(m) == {"unfused": 6}
+    assert torch.equal(y, ref) and m.sites == []
+    assert set(m.skipped) == set(SITES) and all("PTX not supported" in v for v in m.skipped.values())
+    assert all(r["fusions"] == [] and "failed its probe" in r["skipped"] for r in m.report())
     inj.clear()
+
+
+def test_a_kernel_that_computes_wrong_in_its_probe_is_not_mounted(monkeypatch):
+    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+    monkeypatch.setattr(fs, "linear_gelu_tanh", lambda x, w, b, backend: torch.zeros(x.shape[0], w.shape[0]))
+    m = mount_fusions(SiteZoo(), "lossless", backend="torch")
+    assert m.sites == [] and all("computed wrong" in v for v in m.skipped.values())
+
+
+def test_an_error_while_sampling_propagates_after_the_restore(tmp_path, monkeypatch):
+    """Once mounted nothing is caught: an out-of-memory inside a fused kernel ends the
+    run with that error, and applied() has restored every weight and forward by then."""
+    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+    model = SiteZoo()
+    snap = copy.deepcopy(model.state_dict())
+    spec = [AdapterSpec(str(_adapter_file(tmp_path, model, FC1)))]
+    real = fs.lora_linear
+    calls = {"n": 0}
+
+    def fails_after_probe(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > len(SITES):  # the probes pass, the first call while sampling fails
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **k)
+    monkeypatch.setattr(fs, "lora_linear", fails_after_probe)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        with torch.no_grad(), applied(model, plan(model, spec, "dynamic", "lossless"),
+                                      fusion_backend="torch"):
+            model(_x())
+    assert all("forward" not in m.__dict__ and "_lora_runtime" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
