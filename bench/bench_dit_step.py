@@ -165,10 +165,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--fusion-backend", default="auto", choices=["auto", "none", "torch", "triton"],
                    help="fusions the engine mounts (auto: Triton on CUDA, none on the CPU)")
+    p.add_argument("--latent", default=None,
+                   help="C,T,H,W of the latent (default 16,3,34,60: 1530 tokens; 16,21,60,104 is Wan's "
+                        "480p 81 frames: 32760 tokens)")
+    p.add_argument("--inner", type=int, default=None, help="steps per timed measurement (default 1 CPU, 3 CUDA)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print the plan and stop (no timing)")
     args = p.parse_args(argv)
+    global LATENT
+    if args.latent:
+        LATENT = tuple(int(v) for v in args.latent.split(","))
+        if len(LATENT) != 4:
+            raise SystemExit(f"--latent takes C,T,H,W, got {args.latent!r}")
     if args.dry_run:
         return dry_run(args)
     if args.threads:
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         warmup, inner, repeats = 1, 1, args.repeats or (3 if args.quick else 6)
     else:
         warmup, inner, repeats = 3, 3, args.repeats or (5 if args.quick else 10)
+    inner = args.inner or inner
     fusion_backend = None if args.fusion_backend == "none" else args.fusion_backend
     batches = (1, 2) if args.cfg else (1,)
 

@@ -16,13 +16,14 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            M = 512 / 4096 / 32760; baselines eager F.linear+GELU, cuBLASLt's GELU
            epilogue (torch._addmm_activation), ours fused; LoRA ranks 16/32/64/128,
            1 and 3 adapters: the PEFT-shaped eager chain vs ours LoRA-aware fused
-  dit      bench/bench_dit_step.py --cfg on CUDA (Wan-2.1-1.3B dims, 30 blocks, bf16)
+  dit      bench/bench_dit_step.py --cfg on CUDA (Wan-2.1-1.3B dims, bf16): 1530 tokens x 30
+           blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81 frames) x 8 blocks
   compile  torch.compile of the eager chains (default mode for every kernel row's
            shape, rank 32 x 1 adapter for the LoRA chain; max-autotune-no-cudagraphs
            at M = 4096 while the budget lasts), filled into the kernel rows
 
 Outputs in DIR: device_check.json (everything), device_check.md (the tables),
-pytest.log, dit.log, tuned_<family>.json.
+pytest.log, dit<i>.log/json, tuned_<family>.json.
 
 Targets read against: LoRA-aware fused <= 1.05x base fused; >= 1.2x faster than the
 unfused eager chain (PEFT-shaped + GELU); end to end dynamic <= 1.05x merged per step.
@@ -89,7 +90,7 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 80, "kernels": 80, "dit": 110, "compile": 10 ** 6}
+PART_CAPS = {"env": 20, "tests": 110, "tune": 80, "kernels": 80, "dit": 150, "compile": 10 ** 6}
 PARTS = tuple(PART_CAPS)
 TARGETS = dict(lora_x_base_fused=1.05, eager_x_lora_fused=1.2, dit_dynamic_x_merged=1.05)
 
@@ -351,23 +352,39 @@ def part_kernels(ctx) -> dict:
 
 # ---------------------------------------------------------------- dit
 
+DIT_RUNS = {  # name -> extra arguments of bench_dit_step.py
+    "1530 tokens, 30 blocks": ["--blocks", "30"],
+    "32760 tokens (480p, 81 frames), 8 blocks": ["--blocks", "8", "--latent", "16,21,60,104", "--inner", "1"],
+}
+
+
 def part_dit(ctx) -> dict:
-    js = ctx.out / "dit.json"
-    cmd = [sys.executable, str(HERE / "bench_dit_step.py"), "--cfg", "--json", str(js)]
-    cmd += ["--dry-run"] if ctx.dry else ["--device", "cuda", "--repeats", str(max(3, ctx.repeats))]
-    log("running " + " ".join(cmd[1:]))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=max(10, ctx.budget.for_part("dit")))
-        out = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (ctx.out / "dit.log").write_text(out)
-        raise OutOfTime(f"bench_dit_step ran past {exc.timeout:.0f}s") from None
-    (ctx.out / "dit.log").write_text(out)
-    if proc.returncode != 0:
-        return dict(status="failed", returncode=proc.returncode, tail=out[-3000:])
-    return dict(json.loads(js.read_text()), table=[ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "# target"))])
+    out_runs, deadline = {}, time.monotonic() + ctx.budget.for_part("dit")
+    for i, (name, extra) in enumerate(DIT_RUNS.items()):
+        js = ctx.out / f"dit{i}.json"
+        cmd = [sys.executable, str(HERE / "bench_dit_step.py"), "--cfg", "--json", str(js), *extra]
+        cmd += ["--dry-run"] if ctx.dry else ["--device", "cuda", "--repeats", str(max(3, ctx.repeats))]
+        log("running " + " ".join(cmd[1:]))
+        left = deadline - time.monotonic()
+        if left < 20:
+            ctx.results["parts"]["dit"] = dict(runs=out_runs)
+            raise OutOfTime(f"ran {i} of {len(DIT_RUNS)} DiT benchmarks")
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=left)
+            text = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            (ctx.out / f"dit{i}.log").write_text(text)
+            out_runs[name] = dict(status="incomplete: budget")
+            continue
+        (ctx.out / f"dit{i}.log").write_text(text)
+        if proc.returncode != 0:
+            out_runs[name] = dict(status="failed", returncode=proc.returncode, tail=text[-3000:])
+            continue
+        out_runs[name] = dict(json.loads(js.read_text()), status="ok",
+                              table=[ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "# target"))])
+    failed = [n for n, r in out_runs.items() if r["status"] != "ok"]
+    return dict(runs=out_runs, **({"status": "failed", "error": f"not ok: {failed}"} if failed else {}))
 
 
 # ---------------------------------------------------------------- compile
@@ -449,9 +466,12 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
         lines.append("")
         lines.append("Each cell: ours × base fused / PEFT-shaped eager ÷ ours. Medians of per-round ratios.")
-    dit = results.get("parts", {}).get("dit", {})
-    if dit.get("table"):
-        lines += ["", "## DiT step (bench_dit_step.py --cfg)", ""] + dit["table"]
+    for name, run in (results.get("parts", {}).get("dit", {}).get("runs") or {}).items():
+        if run.get("table"):
+            lines += ["", f"## DiT step, Wan-2.1-1.3B dims, {name} (bench_dit_step.py --cfg)", ""] + run["table"]
+            fused = run.get("fused_sites")
+            if fused:
+                lines.append(f"\nfusion sites mounted: {fused}")
     crow = results.get("compile_rows", [])
     if crow and not crow[0].get("planned"):
         lines += ["", "## torch.compile baselines (× ours fused, same run)", "",

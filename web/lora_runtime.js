@@ -1,8 +1,10 @@
 // ComfyUI frontend extension of comfyui-lora-runtime: shows what the LoRA nodes
 // report (adapter coverage, merge decision, fused kernels, timings) on the nodes.
 //
-// - The report a node receives (`executed` UI output) is kept in node.properties,
-//   so it is saved with the workflow and shown again when the workflow is loaded.
+// - The report a node receives (`executed` UI output of our nodes, or the
+//   `lora_runtime.report` event the server sends for a stock sampler such as
+//   ComfyUI's KSampler) is kept in node.properties, so it is saved with the
+//   workflow and shown again when the workflow is loaded.
 // - Classic LiteGraph canvas: it is rendered in a DOM widget (node.addDOMWidget,
 //   type "lora_runtime_report", not serialized), which the canvas' DOM-widget
 //   overlay lays over the node; the node is widened so the lines fit (up to
@@ -34,8 +36,18 @@ const SUMMARY_PROPERTY = "lora_runtime_summary";
 // node type -> [UI output kind, property the payload is kept in]
 const NODE_TYPES = {
   LoraRuntimeSampler: { kind: "report", property: "lora_runtime_report" },
+  LoraRuntimeReport: { kind: "report", property: "lora_runtime_report" },
   LoraRuntimeLoadAdapter: { kind: "coverage", property: "lora_coverage" },
 };
+// Any other node that sampled a MODEL carrying adapters (ComfyUI's KSampler, another
+// pack's sampler) gets the report the server sends as a `lora_runtime.report` event.
+const REPORT_EVENT = "lora_runtime.report";
+const STOCK_SPEC = { kind: "report", property: "lora_runtime_report" };
+
+function specOf(node) {
+  const st = node?.[STATE];
+  return NODE_TYPES[st?.type] ?? (st?.stock ? STOCK_SPEC : undefined);
+}
 
 const LINE_PX = 16;
 const PAD_PX = 4;
@@ -390,7 +402,7 @@ function refreshAll() {
   for (const node of trackedNodes) {
     quietly(() => {
       const st = node[STATE];
-      const spec = NODE_TYPES[st?.type];
+      const spec = specOf(node);
       if (!spec) return;
       if (st.widget || st.vueRoot) applyVisibility(node);
       else if (badgesEnabled()) restore(node, spec);
@@ -456,14 +468,48 @@ function onExecutedEvent(event) {
     const output = detail?.output;
     if (!output || typeof output !== "object") return;
     if (!("lora_report" in output) && !("lora_coverage" in output)) return;
-    const id = detail.display_node ?? detail.node;
-    const graph = app?.graph;
-    if (id === undefined || id === null || !graph || typeof graph.getNodeById !== "function") return;
-    const node = graph.getNodeById(id) ?? graph.getNodeById(Number(id));
+    const node = findNode(detail.display_node ?? detail.node);
     const spec = node && NODE_TYPES[node[STATE]?.type];
     if (!spec) return;
     // Let the core's own listener (which calls onExecuted) go first.
     setTimeout(() => quietly(() => onOutput(node, spec, output)), 0);
+  });
+}
+
+function trackStock(node) {
+  const st = nodeState(node);
+  st.stock = true;
+  trackedNodes.add(node);
+}
+
+function findNode(id) {
+  const graph = app?.graph;
+  if (id === undefined || id === null || !graph || typeof graph.getNodeById !== "function") return undefined;
+  return graph.getNodeById(id) ?? graph.getNodeById(Number(id)) ?? undefined;
+}
+
+// A stock sampler's run: the server sends the report for the node that executed.
+function onReportEvent(event) {
+  quietly(() => {
+    const detail = event?.detail;
+    const report = detail?.report;
+    if (!report || typeof report !== "object") return;
+    const node = findNode(detail.display_node ?? detail.node);
+    if (!node) return;
+    if (NODE_TYPES[node[STATE]?.type] || NODE_TYPES[node.comfyClass] || NODE_TYPES[node.type]) return; // ours: `executed` brings it
+    trackStock(node);
+    onOutput(node, STOCK_SPEC, { lora_report: [report] });
+  });
+}
+
+// A loaded workflow: a stock node that kept a report in its properties shows it again.
+function onLoadedGraphNode(node) {
+  quietly(() => {
+    if (NODE_TYPES[node?.[STATE]?.type] || NODE_TYPES[node?.comfyClass] || NODE_TYPES[node?.type]) return;
+    const raw = node?.properties?.[STOCK_SPEC.property];
+    if (raw === undefined || raw === null || raw === "") return;
+    trackStock(node);
+    restore(node, STOCK_SPEC);
   });
 }
 
@@ -485,9 +531,15 @@ quietly(() => app.registerExtension({
   async beforeRegisterNodeDef(nodeType, nodeData) {
     quietly(() => patchNodeType(nodeType, nodeData?.name ?? nodeType?.comfyClass));
   },
+  loadedGraphNode(node) {
+    onLoadedGraphNode(node);
+  },
   async setup() {
     quietly(() => {
-      if (api && typeof api.addEventListener === "function") api.addEventListener("executed", onExecutedEvent);
+      if (api && typeof api.addEventListener === "function") {
+        api.addEventListener("executed", onExecutedEvent);
+        api.addEventListener(REPORT_EVENT, onReportEvent);
+      }
     });
     quietly(() => {
       // the settings dialog dispatches "<id>.change" for every setting change

@@ -22,7 +22,9 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
     rows = res["kernels_rows"]
     assert len(rows) == 9 and {r["M"] for r in rows} == {512, 4096, 32760}
     assert all(len(r["arms"]) == 3 + 4 * 2 * 2 for r in rows)  # eager, fused, cuBLASLt + ranks x counts x 2
-    assert parts["dit"]["blocks"] == 30 and parts["dit"]["batches"] == [1, 2]
+    runs = list(parts["dit"]["runs"].values())
+    assert [r["tokens"] for r in runs] == [1530, 32760] and [r["blocks"] for r in runs] == [30, 8]
+    assert all(r["batches"] == [1, 2] for r in runs)
     assert len(res["compile_rows"]) == 9 + 3
     table = json.loads((tmp_path / "tuned_dry-run.json").read_text())
     assert len(table["entries"]) == 24

@@ -354,3 +354,42 @@ test("Vue nodes: a workflow loaded in Vue mode shows its report once the node is
     vueMode(false);
   }
 });
+
+test("stock sampler: the server's lora_runtime.report event shows the report on that node", async () => {
+  setting(true);
+  const KSampler = await register("KSampler");
+  const node = create(KSampler);
+  app.graph.nodes.set(String(node.id), node);
+  const report = fullReport();
+  api.dispatchEvent(new CustomEvent("lora_runtime.report", { detail: { node: String(node.id), report } }));
+  await new Promise((r) => setTimeout(r, 5));
+  assert.equal(node.widgets.length, 1, "the report widget is on the KSampler node");
+  assert.deepEqual(JSON.parse(node.properties.lora_runtime_report), report);
+  assert.ok(rows(node).length > 2);
+  // saved and loaded again: the stock node shows it on load, without any prototype patch
+  const again = create(KSampler);
+  again.properties = { lora_runtime_report: node.properties.lora_runtime_report };
+  ext.loadedGraphNode(again, app);
+  assert.equal(again.widgets.length, 1);
+  // garbage events and unknown nodes never throw
+  api.dispatchEvent(new CustomEvent("lora_runtime.report", { detail: { node: "12345", report } }));
+  api.dispatchEvent(new CustomEvent("lora_runtime.report", { detail: { node: String(node.id), report: "x" } }));
+  api.dispatchEvent(new CustomEvent("lora_runtime.report", { detail: null }));
+  ext.loadedGraphNode({ properties: { lora_runtime_report: "not json" } }, app);
+  app.graph.nodes.delete(String(node.id));
+});
+
+test("our sampler ignores the event (its `executed` output brings the report); the report node shows it", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  app.graph.nodes.set(String(node.id), node);
+  api.dispatchEvent(new CustomEvent("lora_runtime.report", { detail: { node: String(node.id), report: fullReport() } }));
+  await new Promise((r) => setTimeout(r, 5));
+  assert.equal(node.widgets.length, 0);
+  app.graph.nodes.delete(String(node.id));
+  const Report = await register("LoraRuntimeReport");
+  const rn = create(Report);
+  rn.onExecuted({ lora_report: [fullReport()] });
+  assert.equal(rn.widgets.length, 1);
+});
