@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
+from comfyui_lora_runtime.lora_runtime import fusion_sites
 from comfyui_lora_runtime.lora_runtime.fusion_registry import FUSIONS, Fusion, register
 from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.settings import Tier
@@ -23,8 +24,8 @@ def test_a_fusion_that_picks_no_side_cannot_register():
     assert "sneaky_gemm" not in FUSIONS
 
 
-def _model_with_dynamic_adapter(tmp_path, dtype):
-    model = SiteZoo(dtype=dtype)
+def _model_with_dynamic_adapter(tmp_path, dtype, device="cpu"):
+    model = SiteZoo(dtype=dtype).to(device)
     names = FC1 + ["blocks.0.ffn.2", "ff.net.2", "mlp.fc2"]
     pairs = {n: lora_pair(model.get_submodule(n).out_features, model.get_submodule(n).in_features, 4, i, 0.25)
              for i, n in enumerate(names)}
@@ -50,15 +51,19 @@ def _truth(model, x):
 @pytest.mark.parametrize("name", sorted(FUSIONS))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_fusion_picks_a_side(tmp_path, name, backend, dtype):
+def test_every_fusion_picks_a_side(tmp_path, name, backend, dtype, monkeypatch):
     fusion = FUSIONS[name]
     if not fusion.tested_with_dynamic_adapter:
         assert len(fusion.cannot_drop_reason) >= 20, name
         return
-    model, inj = _model_with_dynamic_adapter(tmp_path, dtype)
+    # compiled kernels on a GPU when there is one (the interpreter on the CPU otherwise);
+    # the fused path is what is under test, so no speed-based choice of path
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fusion_sites, "MEASURE_SPEED", False)
+    model, inj = _model_with_dynamic_adapter(tmp_path, dtype, device)
     # 512 tokens: enough elements that the max-error statistic of the lossless rule is stable
     # (at 18 tokens the fp32 max error of two equally good paths differs by up to 1.8x by chance)
-    x = torch.randn(8, 64, 24, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = torch.randn(8, 64, 24, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     with torch.no_grad():
         with runtime_context(tier="exact"):
             reference = model(x)  # the unfused eager forward
@@ -72,7 +77,8 @@ def test_every_fusion_picks_a_side(tmp_path, name, backend, dtype):
             attached_wrapper(model.get_submodule(fc1)).set_enabled("dyn.safetensors", False)
         with runtime_context(tier="exact"):
             base_only = model(x)
-    assert_lossless(mounted, reference, _truth(_enable_all(model), x), name)
+    mounted, reference, base_only = mounted.cpu(), reference.cpu(), base_only.cpu()
+    assert_lossless(mounted, reference, _truth(_enable_all(model), x).cpu(), name)
     err = (mounted.float() - reference.float()).abs().mean()
     assert (mounted.float() - base_only.float()).abs().mean() > 30 * err, name
     inj.clear()
