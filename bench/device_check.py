@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -162,7 +163,8 @@ def part_tests(ctx) -> dict:
         (ctx.out / "pytest.log").write_text(out)
         raise OutOfTime(f"pytest ran past {exc.timeout:.0f}s") from None
     (ctx.out / "pytest.log").write_text(out)
-    summary = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [""]
+    counts = re.compile(r"\b\d+ (passed|failed|errors?|tests? collected)\b")
+    summary = [ln.strip("= ") for ln in out.splitlines() if counts.search(ln)][-1:] or [""]
     failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     res = dict(command=" ".join(cmd[2:]), returncode=rc, summary=summary[0], failed=failed[:40])
     if rc != 0:
