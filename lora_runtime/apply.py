@@ -179,9 +179,11 @@ class LoraInjector:
                     w.add_adapter(pa.name, la, pa.spec.strength, pa.spec.enabled, content_hash=pa.adapter.content_hash)
             w._invalidate()
         wrappers = [self.wrappers[n] for n in wanted]
-        decision = decide(p.mode, wrappers, cache) if wrappers else None
-        if decision is not None and decision.chosen == "merge":
-            self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic], wanted)
+        decision = decide(p.mode, wrappers, cache, [pa.name for pa in p.adapters]) if wrappers else None
+        if decision is not None and decision.merged_adapters():
+            merge = decision.merged_adapters()
+            self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic
+                             and merge.intersection(w.slots)], wanted, merge)
         report = ApplyReport(
             tier=p.tier.value,
             decision=decision,
@@ -197,11 +199,11 @@ class LoraInjector:
         )
         return report
 
-    def _merge_all(self, wrappers: list[LoraLinear], wanted) -> None:
+    def _merge_all(self, wrappers: list[LoraLinear], wanted, only: set[str] | None = None) -> None:
         done = []
         try:
             for w in wrappers:
-                w.merge()
+                w.merge(only)
                 done.append(w)
         except NonFiniteMergeError as e:
             for d in done:

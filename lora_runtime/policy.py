@@ -1,20 +1,29 @@
-"""The merge decision: measured, cached, explained (contracts.md section 2).
+"""The merge decision: measured per adapter, cached, explained (contracts.md section 2).
 
-`decide(mode, wrappers, cache)` returns a `MergeDecision` for a set of wrapped layers
-carrying the adapter set:
+`decide(mode, wrappers, cache, order)` returns a `MergeDecision` for the wrapped layers
+carrying an adapter set, with one `AdapterDecision` per adapter (`order`: the adapter
+names in plan order, which is merge order):
 
 - ``dynamic``: never merge.
-- ``merge``: merge every layer; a layer whose weight cannot take a merge (quantized,
-  packed, fp8, patched) raises MergeRefusedError naming it.
-- ``auto``: layers that cannot take a merge make the whole set dynamic; otherwise
-  the share of the update a merge would round away,
-  ``sqrt(sum ||round(W+dW)-W-dW||^2 / sum ||dW||^2)`` over all adapted layers, is
-  measured (on an even row sample, writing nothing) and the set stays dynamic when it
-  exceeds AUTO_MERGE_MAX_ROUNDING_LOSS.
+- ``merge``: merge every adapter; a layer whose weight cannot take a merge (quantized,
+  packed, fp8) raises MergeRefusedError naming it.
+- ``auto``: layers whose weight cannot take a merge make every adapter dynamic.
+  Otherwise **each adapter on its own**: the share of *its* update a merge would round
+  away, ``sqrt(sum ||round(W_i + dW_i) - W_i - dW_i||^2 / sum ||dW_i||^2)`` over its
+  layers, where ``W_i`` is the weight it would be merged into (the base weight plus
+  the adapters before it in merge order that merge), measured on an even row sample,
+  writing nothing. Above AUTO_MERGE_MAX_ROUNDING_LOSS it stays dynamic, else it
+  merges. A set-wide share would let a large style update hide a sub-ulp distilled
+  one, which the merge then rounds away; per adapter it cannot.
+- In every mode, layers the host refuses (`LoraLinear.merge_refusal`) stay dynamic for
+  every adapter (`kept_dynamic`).
 
-The measurement is cached in a `DecisionCache` keyed by the layers (name, weight
-storage, dtype, shape) and each adapter's (content hash, strength, alpha
-per layer), so re-running a prompt does not measure again.
+The actual merge folds the merged adapters of a layer with one rounding
+(round(W + sum dW_i)); restore is bit for bit with any mix of merged and dynamic slots.
+
+Each adapter's measurement is cached in a `DecisionCache` keyed by its layers (name,
+weight storage, dtype, shape), its content (hash, strength, alpha per layer) and the
+keys of the adapters merged before it, so re-running a prompt does not measure again.
 """
 from __future__ import annotations
 
@@ -22,18 +31,36 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import MergeRefusedError
 from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from .wrapper import LoraLinear, mergeable
 
 log = logging.getLogger(__name__)
 
+MAX_SAMPLE_ROWS = 1024
+
+
+@dataclass
+class AdapterDecision:
+    name: str
+    chosen: str                  # "merge" or "dynamic"
+    share_lost: float | None     # share of this adapter's own update a merge would round away
+    reason: str
+    layers: int
+    cached: bool = False
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "chosen": self.chosen, "share_lost": self.share_lost, "reason": self.reason,
+                "layers": self.layers, "cached": self.cached}
+
 
 @dataclass
 class MergeDecision:
     requested: str
-    chosen: str                     # "merge" or "dynamic"
-    share_lost: float | None        # share of the update a merge would round away
+    chosen: str                     # "merge", "dynamic", or "mixed" (some adapters merged, some not)
+    share_lost: float | None        # the adapter's own share when there is one adapter, else the largest
     reason: str
     layers: int
     cached: bool = False
@@ -41,13 +68,18 @@ class MergeDecision:
     # layers the host will not let us merge into right now (see LoraLinear.merge_refusal):
     # they stay dynamic whatever is chosen for the rest; layer name -> reason
     kept_dynamic: dict = field(default_factory=dict)
+    adapters: list[AdapterDecision] = field(default_factory=list)
+
+    def merged_adapters(self) -> set[str]:
+        return {a.name for a in self.adapters if a.chosen == "merge"}
 
     def to_dict(self) -> dict:
         d = {
             "requested": self.requested, "chosen": self.chosen, "share_lost": self.share_lost,
             "reason": self.reason, "layers": self.layers, "cached": self.cached, "threshold": self.threshold,
+            "adapters": [a.to_dict() for a in self.adapters],
         }
-        if self.kept_dynamic and self.chosen == "merge":
+        if self.kept_dynamic and self.chosen != "dynamic":
             d["kept_dynamic"] = len(self.kept_dynamic)
             d["kept_dynamic_reason"] = next(iter(self.kept_dynamic.values()))
             d["kept_dynamic_examples"] = list(self.kept_dynamic)[:3]
@@ -65,19 +97,65 @@ class DecisionCache:
         self.shares.clear()
 
 
-def _cache_key(wrappers: list[LoraLinear]) -> tuple:
+def _slot(w: LoraLinear, name: str):
+    s = w.slots.get(name)
+    return s if s is not None and s.contributes and (s.layer.has_lowrank or s.layer.diff is not None) else None
+
+
+def _adapter_key(wrappers: list[LoraLinear], name: str) -> tuple:
     parts = []
     for w in wrappers:
+        s = _slot(w, name)
+        if s is None:
+            continue
         weight = w.weight
-        slots = tuple(
-            (s.content_hash or id(s.layer), s.layer.stem, s.strength, s.layer.alpha)
-            for s in w.slots.values() if s.contributes
-        )
-        parts.append((w.layer_name, weight.data_ptr(), str(weight.dtype), tuple(weight.shape), slots))
+        parts.append((w.layer_name, weight.data_ptr(), str(weight.dtype), tuple(weight.shape),
+                      s.content_hash or id(s.layer), s.layer.stem, s.strength, s.layer.alpha))
     return tuple(parts)
 
 
-def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = 1024) -> float:
+def _sample_rows(rows: int, device, max_rows: int):
+    if rows <= max_rows:
+        return slice(0, rows)
+    return torch.linspace(0, rows - 1, max_rows, device=device).round().long().unique()
+
+
+class _SequentialEstimate:
+    """Row samples of every weight, advanced by each adapter that merges, in merge order."""
+
+    def __init__(self, wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS):
+        self.rows = {}
+        for w in wrappers:
+            weight = w.weight.detach()
+            sel = _sample_rows(weight.shape[0], weight.device, max_rows)
+            self.rows[w.layer_name] = (w, sel, weight[sel].float(), weight.dtype)
+
+    @torch.no_grad()
+    def share(self, name: str) -> tuple[float, dict]:
+        """(share of adapter `name`'s update a merge would round away, the merged rows if it merges)."""
+        err = ref = 0.0
+        after = {}
+        for layer, (w, sel, cur, dtype) in self.rows.items():
+            s = _slot(w, name)
+            if s is None:
+                continue
+            d = w.delta_rows(sel, [s])
+            exact = cur + d
+            rounded = exact.to(dtype).float()
+            err += float((rounded - exact).double().pow(2).sum())
+            ref += float(d.double().pow(2).sum())
+            after[layer] = rounded
+        return (math.sqrt(err / ref) if ref > 0 else 0.0), after
+
+    def advance(self, after: dict) -> None:
+        for layer, rounded in after.items():
+            w, sel, _, dtype = self.rows[layer]
+            self.rows[layer] = (w, sel, rounded, dtype)
+
+
+def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS) -> float:
+    """Share of the combined update of every contributing slot a merge would round away
+    (one rounding of the sum, as the merge does). Used for a single adapter's layers."""
     err = ref = 0.0
     for w in wrappers:
         e, r = w.rounding_loss_sums(max_rows)
@@ -86,10 +164,33 @@ def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = 1024) -> floa
     return math.sqrt(err / ref) if ref > 0 else 0.0
 
 
-def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | None = None) -> MergeDecision:
+def _summary(mode: MergeMode, adapters: list[AdapterDecision], n: int, soft: dict, reason: str | None = None,
+             cached: bool = False) -> MergeDecision:
+    chosen_set = {a.chosen for a in adapters}
+    chosen = chosen_set.pop() if len(chosen_set) == 1 else ("mixed" if chosen_set else "dynamic")
+    shares = [a.share_lost for a in adapters if a.share_lost is not None]
+    share = shares[0] if len(adapters) == 1 and shares else (max(shares) if shares else None)
+    if reason is None:
+        reason = adapters[0].reason if len(adapters) == 1 else "; ".join(f"{a.name}: {a.reason}" for a in adapters)
+    if soft and chosen != "dynamic":
+        reason += f"; {len(soft)} layers stay dynamic ({next(iter(soft.values()))})"
+    return MergeDecision(mode.value, chosen, share, reason, n, cached, kept_dynamic=soft, adapters=adapters)
+
+
+def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | None = None,
+           order: list[str] | None = None) -> MergeDecision:
     n = len(wrappers)
+    if order is None:  # every adapter on these layers, in first-seen order
+        order = list(dict.fromkeys(name for w in wrappers for name in w.slots))
+    counts = {name: sum(1 for w in wrappers if _slot(w, name) is not None) for name in order}
+    names = [name for name in order if counts[name]]
+
+    def each(chosen: str, reason: str, share=None) -> list[AdapterDecision]:
+        return [AdapterDecision(name, chosen, share, reason, counts[name]) for name in names]
+
     if mode is MergeMode.DYNAMIC:
-        return MergeDecision(mode.value, "dynamic", None, "dynamic mode never touches the weights", n)
+        why = "dynamic mode never touches the weights"
+        return _summary(mode, each("dynamic", why), n, {}, why)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
     soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
@@ -102,33 +203,60 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
                 f"merge mode 'merge' cannot fold the adapter into layer {name!r}: {why} "
                 f"({len(refused)} such layers). Use merge mode 'dynamic' (or 'auto')."
             )
-        reason = "merge mode folds every adapter into the weights"
-        if soft:
-            reason += f"; {len(soft)} layers stay dynamic ({next(iter(soft.values()))})"
-        return MergeDecision(mode.value, "merge" if rest else "dynamic", None, reason, n, kept_dynamic=soft)
+        why = "merge mode folds every adapter into the weights"
+        if not rest:
+            return _summary(mode, each("dynamic", f"no layer may be merged into: {next(iter(soft.values()))}"),
+                            n, soft)
+        return _summary(mode, each("merge", why), n, soft, why)
     if refused:
         name, why = refused[0]
-        return MergeDecision(mode.value, "dynamic", None, f"{len(refused)} layers cannot take a merge (e.g. {name}: {why})", n)
+        msg = f"{len(refused)} layers cannot take a merge (e.g. {name}: {why})"
+        return _summary(mode, each("dynamic", msg), n, {}, msg)
     if not rest:
-        return MergeDecision(mode.value, "dynamic", None, f"no layer may be merged into: {next(iter(soft.values()))}",
-                             n, kept_dynamic=soft)
-    key = _cache_key(rest)
-    cached = cache is not None and key in cache.shares
-    if cached:
-        share = cache.shares[key]
-    else:
-        share = measure_share_lost(rest)
-        if cache is not None:
-            cache.shares[key] = share
-            cache.measurements += 1
-    if share > AUTO_MERGE_MAX_ROUNDING_LOSS:
-        reason = (f"stays unmerged: merging into the base weights would round away {share:.0%} of its update "
-                  f"(> {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})")
-        chosen = "dynamic"
-    else:
+        msg = f"no layer may be merged into: {next(iter(soft.values()))}"
+        return _summary(mode, each("dynamic", msg), n, soft, msg)
+
+    estimate = None
+    merged_names: list[str] = []
+
+    def sampled() -> _SequentialEstimate:
+        nonlocal estimate
+        if estimate is None:  # built on the first measurement; replay the merges decided from the cache
+            estimate = _SequentialEstimate(rest)
+            for done in merged_names:
+                estimate.advance(estimate.share(done)[1])
+        return estimate
+
+    decisions: list[AdapterDecision] = []
+    merged_keys: list[tuple] = []
+    all_cached = True
+    for name in names:
+        key = (_adapter_key(rest, name), tuple(merged_keys))
+        if not key[0]:  # this adapter only touches layers the host keeps dynamic
+            decisions.append(AdapterDecision(name, "dynamic", None, "all its layers stay dynamic", counts[name]))
+            continue
+        hit = cache is not None and key in cache.shares
+        after = None
+        if hit:
+            share = cache.shares[key]
+        else:
+            all_cached = False
+            share, after = sampled().share(name)
+            if cache is not None:
+                cache.shares[key] = share
+                cache.measurements += 1
+        if share > AUTO_MERGE_MAX_ROUNDING_LOSS:
+            reason = (f"stays unmerged: merging into the base weights would round away {share:.0%} of its update "
+                      f"(> {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})")
+            decisions.append(AdapterDecision(name, "dynamic", share, reason, counts[name], hit))
+            continue
         reason = f"merged: a merge rounds away {share:.0%} of its update (<= {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})"
-        chosen = "merge"
-        if soft:
-            reason += f"; {len(soft)} layers stay dynamic ({next(iter(soft.values()))})"
-    log.info("LoRA auto merge over %d layers: %s", n, reason)
-    return MergeDecision(mode.value, chosen, share, reason, n, cached, kept_dynamic=soft)
+        decisions.append(AdapterDecision(name, "merge", share, reason, counts[name], hit))
+        merged_keys.append(key[0])
+        merged_names.append(name)
+        if estimate is not None:  # later adapters are measured against the weight with this one merged
+            estimate.advance(after if after is not None else estimate.share(name)[1])
+    decision = _summary(mode, decisions, n, soft, cached=all_cached)
+    for a in decisions:
+        log.info("LoRA auto merge, %s over %d layers: %s", a.name, a.layers, a.reason)
+    return decision

@@ -291,13 +291,17 @@ class LoraLinear(nn.Module):
         return rounding_loss_sums(self.weight, self.delta_rows, max_rows=max_rows)
 
     # --- merge / restore -------------------------------------------------------------
-    def merge(self) -> None:
+    def merge(self, only: set[str] | None = None) -> None:
+        """Fold the delta of the contributing slots (those named in `only`, default all) into
+        the weight with one rounding; the other slots stay dynamic."""
         ok, why = mergeable(self)
         if not ok:
             raise MergeRefusedError(f"{self.layer_name}: cannot merge ({why}); use merge mode 'dynamic'")
         if self.merged:
             return
-        slots = self._weight_slots()
+        slots = [s for s in self._weight_slots() if only is None or s.name in only]
+        if not slots:
+            return
         self._restore = merge_weight(self.weight, lambda r: self.delta_rows(r, slots), what=self.layer_name)
         for s in slots:
             s.merged = True

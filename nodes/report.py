@@ -9,10 +9,14 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
     d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
                                                       "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
     coverage = {c["adapter"]: c for c in d["coverage"]}
+    per_adapter = {a["name"]: a for a in (d["decision"] or {}).get("adapters", [])}
     adapters = []
     for a in d["adapters"]:
         c = coverage.get(a["name"], {})
-        adapters.append({**a, "coverage": c})
+        entry = {**a, "coverage": c}
+        if a["name"] in per_adapter:  # each adapter's own merge decision (auto decides per adapter)
+            entry["decision"] = per_adapter[a["name"]]
+        adapters.append(entry)
     mounted = [f for f in d["fusions"] if f.get("fusions")]
     skipped = [f for f in d["fusions"] if not f.get("fusions")]
     return {
@@ -42,8 +46,11 @@ def text(r: dict) -> str:
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
     for a in r["adapters"]:
         c = a.get("coverage") or {}
+        ad = a.get("decision") or {}
         lines.append(f"  {a['name']} x{a['strength']}: {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"
-                     + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else ""))
+                     + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
+                     + (f"; {ad['chosen']}" if ad.get("chosen") else "")
+                     + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
