@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import AdapterFormatError, AdapterMatchError
+from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from .key_formats import candidate_names, split_key
-from .safetensors_file import load_safetensors
+from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def _metadata_alphas(meta: dict[str, str]) -> tuple[float | None, dict[str, floa
         try:
             return float(meta["ss_network_alpha"]), {}
         except ValueError:
-            pass
+            raise AdapterFormatError(f"ss_network_alpha {meta['ss_network_alpha']!r} in the metadata is not a number; "
+                                     "fix or remove it and re-save the adapter") from None
     return None, {}
 
 
@@ -134,6 +136,53 @@ def _pattern_alpha(stem: str, pattern: dict[str, float]) -> float | None:
         if stem == key or stem.endswith("." + key) or re.fullmatch(key, stem):
             return a
     return None
+
+
+_HEADER_CHECKS: dict[tuple, str] = {}
+
+
+def check_adapter_file(path: str | os.PathLike) -> str:
+    """The checks that need only the header, cheap enough for ComfyUI's validation of a
+    prompt (before anything runs): not safetensors (pickle, zip, HTML, GGUF: never
+    opened), truncated or corrupt header, no tensor that looks like a LoRA key, a
+    non-finite or non-numeric alpha in the header's metadata. '' when it passes, else the
+    message (naming the file, the key and the fix). Cached by (path, size, mtime).
+    What needs the tensors or the model (NaN inside a tensor, shapes, layers matched)
+    is checked when the node runs."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        return f"adapter file {p.name} cannot be read ({e.strerror or e})"
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HEADER_CHECKS:
+        _HEADER_CHECKS[key] = _check_header(p)
+    return _HEADER_CHECKS[key]
+
+
+def _check_header(p: Path) -> str:
+    try:
+        header, _ = read_header(p)
+    except LoraRuntimeError as e:
+        return str(e)
+    names = [k for k in header if k != "__metadata__"]
+    if not names:
+        return f"{p.name} holds no tensors; it is not a LoRA adapter"
+    if not any(split_key(k) is not None for k in names):
+        return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
+                "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b")
+    meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
+    try:
+        alpha, pattern = _metadata_alphas(meta)
+    except (TypeError, ValueError, LoraRuntimeError) as e:
+        return f"{p.name}: an alpha in the file's metadata is not a number ({e}); fix or remove it and re-save"
+    bad = [("alpha", alpha)] if alpha is not None and not math.isfinite(alpha) else []
+    bad += [(k, a) for k, a in pattern.items() if not math.isfinite(a)]
+    if bad:
+        k, a = bad[0]
+        return (f"{p.name}: the metadata gives {k} = {a}, not a finite number; the adapter's scale would be "
+                "undefined. Re-export the adapter (or fix its metadata)")
+    return ""
 
 
 def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapter:
@@ -174,7 +223,11 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         raise AdapterFormatError(
             f"{p.name} holds several PEFT adapter slots ({', '.join(sorted(slots))}); save one adapter per file"
         )
-    meta_alpha, alpha_pattern = _metadata_alphas(meta)
+    try:
+        meta_alpha, alpha_pattern = _metadata_alphas(meta)
+    except (TypeError, ValueError, LoraRuntimeError) as e:
+        raise AdapterFormatError(f"{p.name}: an alpha in the file's metadata is not a number ({e}); "
+                                 "fix or remove it and re-save the adapter") from None
     for stem, la in list(layers.items()):
         _check_layer(p.name, la)
         if la.down is not None and la.alpha is None:

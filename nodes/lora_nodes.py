@@ -16,6 +16,7 @@ import time
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
+from ..lora_runtime.adapter import check_adapter_file
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
 from . import intent, lifecycle, report
 from .caches import ADAPTERS
@@ -45,11 +46,17 @@ class LoadLoraAdapter:
 
     @classmethod
     def VALIDATE_INPUTS(cls, lora_name):
+        # Checked when the prompt is queued (ComfyUI answers HTTP 400 with node_errors):
+        # the name, and everything the file's header tells (not safetensors / pickle,
+        # truncated, no LoRA key, a non-finite alpha in its metadata). Layers matched
+        # against the model are checked when the node runs: ComfyUI does not hand a
+        # linked input (the MODEL) to validation.
         try:
-            host.resolve_lora(lora_name)
+            path = host.resolve_lora(lora_name)
         except (ValueError, FileNotFoundError) as e:
             return str(e)
-        return True
+        problem = check_adapter_file(path)
+        return problem or True
 
     def load(self, model, lora_name, strength):
         path = host.resolve_lora(lora_name)

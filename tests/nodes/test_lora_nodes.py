@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled import progress
 from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
-from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.host.bundled.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
+                                                        validate_prompt)
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
 from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
@@ -142,16 +143,49 @@ def test_validation_errors_in_comfyui_shape(folders, node, inp, value, etype, te
     assert text in e["details"] + e["message"]
 
 
-def test_adapter_matching_nothing_fails_at_its_node(folders):
+def _bad_files(loras):
+    import json
+    import struct
+    from safetensors.torch import save_file
+    (loras / "empty.safetensors").write_bytes(b"")
+    (loras / "notes.safetensors").write_text("this is a text file, not an adapter\n")
+    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
+              str(loras / "whole.safetensors"))
+    data = (loras / "whole.safetensors").read_bytes()
+    (loras / "truncated.safetensors").write_bytes(data[: len(data) - 16])
+    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
+              str(loras / "nan_alpha.safetensors"), metadata={"ss_network_alpha": "nan"})
+    save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / "checkpoint.safetensors"))
+    hdr = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (loras / "bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("pickled.safetensors", "not opened"),
+    ("empty.safetensors", "too short"),
+    ("notes.safetensors", "no valid safetensors header"),
+    ("truncated.safetensors", "truncated"),
+    ("nan_alpha.safetensors", "not a finite number"),
+    ("checkpoint.safetensors", "no LoRA weights"),
+    ("bad_json.safetensors", "not valid JSON"),
+])
+def test_bad_files_fail_validation_naming_the_node(folders, models_dir, name, message):
+    """What the header tells is refused when the prompt is queued (ComfyUI: HTTP 400
+    node_errors), before anything runs; a pickle is never opened."""
+    _bad_files(models_dir / "loras")
+    with pytest.raises(PromptValidationError) as ei:
+        execute_prompt(_prompt(lora=name), CLASSES, folders=folders)
+    errs = ei.value.node_errors
+    assert list(errs) == ["2"] and errs["2"]["class_type"] == "LoraRuntimeLoadAdapter"
+    text = str(errs["2"])
+    assert name in text and message in text, text
+
+
+def test_an_adapter_for_another_model_fails_when_its_node_runs(folders):
+    """Layer matching needs the MODEL, which ComfyUI does not hand to validation."""
     with pytest.raises(NodeExecutionError) as ei:
         execute_prompt(_prompt(lora="flux_only.safetensors"), CLASSES, folders=folders)
     assert ei.value.node_id == "2" and "matches no layer" in str(ei.value)
-
-
-def test_pickle_is_refused_at_its_node(folders):
-    with pytest.raises(NodeExecutionError) as ei:
-        execute_prompt(_prompt(lora="pickled.safetensors"), CLASSES, folders=folders)
-    assert ei.value.node_id == "2" and "not opened" in str(ei.value)
 
 
 def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypatch):
