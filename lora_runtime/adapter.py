@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
-from .key_formats import candidate_names, split_key
+from .key_formats import candidate_names, guess_family, split_key
+from . import scale_sources
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class LayerAdapter:
     diff: torch.Tensor | None = None      # [out, in] full weight delta
     diff_b: torch.Tensor | None = None    # [out] output offset, never folded into the weight
     keys: list[str] = field(default_factory=list)
+    rslora: bool = False                  # scale alpha / sqrt(rank) (PEFT use_rslora)
+    alpha_source: str = ""                # where alpha came from (scale_sources)
 
     @property
     def rank(self) -> int:
@@ -51,7 +54,7 @@ class LayerAdapter:
         if self.down is None:
             return 1.0
         a = self.alpha if self.alpha is not None else float(self.rank)
-        return float(a) / float(self.rank)
+        return float(a) / (math.sqrt(self.rank) if self.rslora else float(self.rank))
 
     @property
     def has_lowrank(self) -> bool:
@@ -71,6 +74,8 @@ class LoraAdapter:
     content_hash: str
     metadata: dict[str, str] = field(default_factory=dict)
     ignored_keys: dict[str, str] = field(default_factory=dict)  # key -> why
+    scale_source: str = ""                                      # where the layers' alphas came from
+    notes: list[str] = field(default_factory=list)              # facts the user should see on the report
 
 
 @dataclass
@@ -81,6 +86,8 @@ class CoverageReport:
     unmatched: dict[str, str]           # file stem or key -> reason
     model_linears: int
     file_layers: int
+    scale_source: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def partial(self) -> bool:
@@ -104,38 +111,9 @@ class CoverageReport:
             "model_linears": self.model_linears,
             "unmatched": len(self.unmatched),
             "unmatched_examples": self.examples(20),
+            "scale_source": self.scale_source,
+            "notes": list(self.notes),
         }
-
-
-def _metadata_alphas(meta: dict[str, str]) -> tuple[float | None, dict[str, float]]:
-    """Global alpha and per-module alpha patterns from PEFT / diffusers / kohya metadata."""
-    for key in ("lora_adapter_metadata", "adapter_config", "peft_config"):
-        if key in meta:
-            try:
-                cfg = json.loads(meta[key])
-            except json.JSONDecodeError:
-                log.warning("metadata %r is not JSON; ignoring it", key)
-                continue
-            if isinstance(cfg, dict) and len(cfg) == 1 and isinstance(next(iter(cfg.values())), dict):
-                cfg = next(iter(cfg.values()))  # {"default": {...}}
-            if isinstance(cfg, dict):
-                a = cfg.get("lora_alpha", cfg.get("alpha"))
-                pattern = {str(k): float(v) for k, v in (cfg.get("alpha_pattern") or {}).items()}
-                return (float(a) if a is not None else None), pattern
-    if "ss_network_alpha" in meta:
-        try:
-            return float(meta["ss_network_alpha"]), {}
-        except ValueError:
-            raise AdapterFormatError(f"ss_network_alpha {meta['ss_network_alpha']!r} in the metadata is not a number; "
-                                     "fix or remove it and re-save the adapter") from None
-    return None, {}
-
-
-def _pattern_alpha(stem: str, pattern: dict[str, float]) -> float | None:
-    for key, a in pattern.items():
-        if stem == key or stem.endswith("." + key) or re.fullmatch(key, stem):
-            return a
-    return None
 
 
 _HEADER_CHECKS: dict[tuple, str] = {}
@@ -173,15 +151,9 @@ def _check_header(p: Path) -> str:
                 "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b")
     meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     try:
-        alpha, pattern = _metadata_alphas(meta)
-    except (TypeError, ValueError, LoraRuntimeError) as e:
-        return f"{p.name}: an alpha in the file's metadata is not a number ({e}); fix or remove it and re-save"
-    bad = [("alpha", alpha)] if alpha is not None and not math.isfinite(alpha) else []
-    bad += [(k, a) for k, a in pattern.items() if not math.isfinite(a)]
-    if bad:
-        k, a = bad[0]
-        return (f"{p.name}: the metadata gives {k} = {a}, not a finite number; the adapter's scale would be "
-                "undefined. Re-export the adapter (or fix its metadata)")
+        scale_sources.find_config(p, meta)
+    except LoraRuntimeError as e:
+        return str(e)
     return ""
 
 
@@ -194,6 +166,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         raise AdapterFormatError(f"{p.name} holds no tensors; it is not a LoRA adapter")
     layers: dict[str, LayerAdapter] = {}
     ignored: dict[str, str] = {}
+    notes: list[str] = []
+    fp8_noted = False
     slots: set[str] = set()
     formats: set[str] = set()
     for key, t in tensors.items():
@@ -207,6 +181,12 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         formats.add(_format_of(key, part))
         if not t.is_floating_point():
             raise AdapterFormatError(f"{p.name}: tensor {key!r} has dtype {t.dtype}; LoRA tensors must be floating point")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            # fp8 and other narrow floats: torch has no matmul for them on every device; upcast once
+            if not fp8_noted:
+                notes.append(f"factors stored as {t.dtype} were upcast to float32 at load")
+                fp8_noted = True
+            t = t.to(torch.float32)
         if not torch.isfinite(t).all():
             raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — re-export the adapter")
         la = layers.setdefault(stem, LayerAdapter(stem=stem))
@@ -223,17 +203,27 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         raise AdapterFormatError(
             f"{p.name} holds several PEFT adapter slots ({', '.join(sorted(slots))}); save one adapter per file"
         )
-    try:
-        meta_alpha, alpha_pattern = _metadata_alphas(meta)
-    except (TypeError, ValueError, LoraRuntimeError) as e:
-        raise AdapterFormatError(f"{p.name}: an alpha in the file's metadata is not a number ({e}); "
-                                 "fix or remove it and re-save the adapter") from None
+    cfg = scale_sources.find_config(p, meta)
+    counts: dict[str, int] = {}
     for stem, la in list(layers.items()):
         _check_layer(p.name, la)
-        if la.down is not None and la.alpha is None:
-            la.alpha = _pattern_alpha(stem, alpha_pattern)
-            if la.alpha is None:
-                la.alpha = meta_alpha
+        if la.down is not None:
+            if la.alpha is not None:
+                la.alpha_source = "per-layer .alpha tensors"
+            elif cfg is not None:
+                a = scale_sources.pattern_value(stem, cfg.alpha_pattern)
+                la.alpha = a if a is not None else cfg.lora_alpha
+                la.alpha_source = (f"{cfg.source} alpha_pattern" if a is not None else
+                                   f"{cfg.source} lora_alpha={cfg.lora_alpha:g}" if cfg.lora_alpha is not None else
+                                   "none: alpha = rank (scale 1.0)")
+                la.rslora = cfg.use_rslora and la.alpha is not None
+                want_r = scale_sources.pattern_value(stem, cfg.rank_pattern) or cfg.r
+                if want_r is not None and want_r != la.rank:
+                    notes.append(f"{stem}: the config says rank {want_r}, the tensors have rank {la.rank}; "
+                                 "the tensors' rank is used")
+            else:
+                la.alpha_source = "none: alpha = rank (scale 1.0)"
+            counts[la.alpha_source] = counts.get(la.alpha_source, 0) + 1
         if la.down is None and la.diff is None and la.diff_b is None:
             for k in la.keys:
                 ignored[k] = "alpha/DoRA scale without LoRA weights"
@@ -244,7 +234,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
             "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b"
         )
     fmt = "+".join(sorted(formats - {"other"})) or "unknown"
-    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored)
+    source, more = scale_sources.describe(counts, cfg, meta)
+    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more)
 
 
 def _format_of(key: str, part: str) -> str:
@@ -290,7 +281,14 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def match_adapter(adapter: LoraAdapter, model: nn.Module) -> tuple[dict[str, LayerAdapter], CoverageReport]:
+def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = False
+                  ) -> tuple[dict[str, LayerAdapter], CoverageReport]:
+    """Map the adapter's layers onto the model's Linear modules.
+
+    Every key of the file is applied or the load fails, naming the keys (``lenient``:
+    the rest is applied and the skipped keys are listed on the report). A file of which
+    fewer than half the layers match, or none, is an adapter for another model: always
+    an error, naming the family its keys look like."""
     linears = linear_modules(model)
     by_underscore = {n.replace(".", "_"): n for n in linears}
     all_modules = dict(model.named_modules())
@@ -309,12 +307,24 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module) -> tuple[dict[str, Lay
             continue
         _check_shapes(adapter, stem, la, linears[target], target)
         matched[target] = la
-    report = CoverageReport(adapter.name, adapter.format, sorted(matched), unmatched, len(linears), len(adapter.layers))
+    report = CoverageReport(adapter.name, adapter.format, sorted(matched), unmatched, len(linears), len(adapter.layers),
+                            adapter.scale_source, list(adapter.notes))
+    family = guess_family(adapter.layers)
+    looks = f"; its keys look like an adapter for {family}" if family else ""
     if not matched:
         raise AdapterMatchError(
             f"{adapter.name} matches no layer of this model ({len(adapter.layers)} adapter layers, e.g. "
-            f"{', '.join(list(adapter.layers)[:3])}). Is it an adapter for a different model family?"
-        )
+            f"{', '.join(list(adapter.layers)[:3])}){looks}. Pick the adapter made for this model.")
+    if len(matched) < 0.5 * len(adapter.layers):
+        raise AdapterMatchError(
+            f"{adapter.name}: only {len(matched)} of its {len(adapter.layers)} layers match this model "
+            f"(e.g. not loaded: {', '.join(report.examples(3))}){looks}. It is most likely an adapter for another "
+            "model; pick the one made for this model.")
+    if report.unmatched and not lenient:
+        raise AdapterMatchError(
+            f"{adapter.name}: {len(report.unmatched)} of its keys would not be applied: "
+            f"{', '.join(report.examples(5))}. Nothing is dropped silently: use the matching adapter, or set "
+            "'unmatched keys' to 'skip and report' on the Load LoRA Adapter node to apply the rest.")
     if report.partial:
         log.warning("LoRA %s only partly matches the model: %s", adapter.name, report.summary())
     else:

@@ -40,6 +40,7 @@ class AdapterSpec:
     strength: float = 1.0
     name: str | None = None
     enabled: bool = True
+    lenient: bool = False   # apply what matches and list the skipped keys, instead of failing
 
 
 @dataclass
@@ -81,7 +82,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
         while name in used:
             name, k = f"{base}#{k}", k + 1
         used.add(name)
-        layers, coverage = match_adapter(adapter, model)
+        layers, coverage = match_adapter(adapter, model, lenient=spec.lenient)
         coverage.adapter = name  # the report joins coverage and adapters by the planned name
         planned.append(PlannedAdapter(name, spec, adapter, layers, coverage))
     return Plan(mode, tier, planned)

@@ -14,7 +14,11 @@ model's module names by `candidate_names`:
   ``blocks.N.self_attn.q``, ``ffn.net.0.proj`` -> ``ffn.0`` and the rest of
   `WAN_DIFFUSERS_TO_NATIVE`;
 - full deltas ``.diff`` (a weight delta) and ``.diff_b`` (an output offset), DoRA
-  ``.dora_scale``.
+  ``.dora_scale``;
+- VideoX-Fun's kohya variant with a doubled underscore (``lora_unet__blocks_0_...``).
+
+`guess_family` names the model family a set of stems looks like, for the error when
+an adapter for another model is put on this one.
 """
 from __future__ import annotations
 
@@ -97,7 +101,7 @@ def candidate_names(stem: str, by_underscore: dict[str, str]) -> list[str]:
     s = strip_prefixes(stem)
     for prefix in _UNDERSCORE_PREFIXES:
         if s.startswith(prefix):
-            flat = s[len(prefix):]
+            flat = s[len(prefix):].lstrip("_")  # VideoX-Fun writes lora_unet__blocks_0_...
             return [by_underscore[flat]] if flat in by_underscore else []
     out = [s]
     for pattern, repl in WAN_DIFFUSERS_TO_NATIVE:
@@ -110,3 +114,26 @@ def candidate_names(stem: str, by_underscore: dict[str, str]) -> list[str]:
     if "." not in s and s in by_underscore:
         out.append(by_underscore[s])
     return out
+
+
+# (family, patterns any of which marks it); checked in this order
+_FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    ("Flux", ("double_blocks", "single_blocks", "single_transformer_blocks", "img_attn", "txt_attn")),
+    ("Qwen-Image", ("img_mlp", "txt_mlp", "img_mod", "txt_mod")),
+    ("LTX-Video", ("scale_shift_table", "adaln_single", "caption_projection")),
+    ("Wan", ("self_attn", "cross_attn", "attn1", "attn2", "ffn")),
+    ("a UNet (SD/SDXL)", ("input_blocks", "output_blocks", "down_blocks", "up_blocks", "mid_block")),
+    ("a text encoder", ("lora_te", "text_model", "text_encoder", "encoder_layers")),
+]
+
+
+def guess_family(stems) -> str | None:
+    """The model family most of these adapter stems name, or None."""
+    votes: dict[str, int] = {}
+    for stem in stems:
+        low = stem.lower()
+        for family, marks in _FAMILIES:
+            if any(m in low for m in marks):
+                votes[family] = votes.get(family, 0) + 1
+                break
+    return max(votes, key=votes.get) if votes else None

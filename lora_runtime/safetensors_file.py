@@ -44,6 +44,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         looks_safetensors = len(head) == 9 and head[8:9] == b"{"
         kind = None if looks_safetensors else _sniff_non_safetensors(head)
         if kind is not None:
+            if "HTML" in kind:
+                raise AdapterFileError(f"{p.name} is {kind}, not a .safetensors file: the download saved a web "
+                                       "page instead of the adapter. Download the file again (the direct file link)")
+            if "GGUF" in kind:
+                raise AdapterFileError(f"{p.name} is {kind}, not a .safetensors file; this loader reads safetensors "
+                                       "LoRA files only. Get the adapter's .safetensors version")
             raise AdapterFileError(
                 f"{p.name} is {kind}, not a .safetensors file. It was not opened "
                 f"(pickled files can run code). Convert it to safetensors and load that."

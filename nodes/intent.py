@@ -21,9 +21,10 @@ class AdapterIntent:
     name: str       # the name the user picked (loras folder relative)
     path: str       # resolved absolute path
     strength: float
+    lenient: bool = False  # "skip and report" keys that match nothing, instead of failing
 
     def spec(self) -> AdapterSpec:
-        return AdapterSpec(self.path, self.strength, self.name)
+        return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient)
 
 
 @dataclass(frozen=True)

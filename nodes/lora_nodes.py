@@ -24,6 +24,7 @@ from .caches import ADAPTERS
 log = logging.getLogger(__name__)
 
 CATEGORY = "loaders/lora runtime"
+UNMATCHED_CHOICES = ("error", "skip and report")
 
 
 class LoadLoraAdapter:
@@ -36,6 +37,12 @@ class LoadLoraAdapter:
             "strength": ("FLOAT", {"default": 1.0, "min": STRENGTH_MIN, "max": STRENGTH_MAX, "step": 0.01,
                                    "tooltip": "How strongly to apply the adapter; 0 turns it off, "
                                               "negative values invert it."}),
+        }, "optional": {
+            "unmatched_keys": (list(UNMATCHED_CHOICES), {
+                "default": UNMATCHED_CHOICES[0],
+                "tooltip": "error: a key of the file that this model has no layer for stops the run (nothing is "
+                           "dropped silently); skip and report: apply the rest and list the skipped keys on the "
+                           "report."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -58,12 +65,16 @@ class LoadLoraAdapter:
         problem = check_adapter_file(path)
         return problem or True
 
-    def load(self, model, lora_name, strength):
+    def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0]):
+        if unmatched_keys not in UNMATCHED_CHOICES:
+            raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")
+        lenient = unmatched_keys == UNMATCHED_CHOICES[1]
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
         # names and shapes only: the model is not loaded or patched here
-        _, coverage = match_adapter(adapter, host.diffusion_model(model))  # zero matches raises here
-        entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"))
+        _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient)  # no match raises here
+        entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
+                                     lenient)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
 

@@ -118,7 +118,8 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
     model = (1, 0)
     layout = {1: (0, 0)}
     if adapter:
-        n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength})
+        n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength,
+                                         "unmatched_keys": "error"})
         n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode})
         model = (3, 0)
         layout.update({2: (1, 0), 3: (2, 0)})
@@ -138,7 +139,7 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
 
 def _template(about, loader_nodes, model, clip, vae, latent, pos_text, neg_text, sampler, save, lora, extra=None):
     n = dict(loader_nodes)
-    n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0})
+    n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0, "unmatched_keys": "error"})
     n[21] = ("LoraRuntimeMergeMode", {"model": (20, 0), "mode": "auto"})
     n[22] = ("LoraRuntimeQualityTier", {"model": (21, 0), "tier": "lossless"})
     n[23] = ("CLIPTextEncode", {"clip": clip, "text": pos_text})

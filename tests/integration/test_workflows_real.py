@@ -496,7 +496,7 @@ def _write_bad_files(loras):
     data = (loras / "zz_whole.safetensors").read_bytes()
     (loras / "zz_truncated.safetensors").write_bytes(data[: len(data) - 16])
     save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "zz_nan_alpha.safetensors"), metadata={"ss_network_alpha": "nan"})
+              str(loras / "zz_nan_alpha.safetensors"), metadata={"adapter_config": _json.dumps({"lora_alpha": float("nan"), "r": 2})})
     save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / "zz_checkpoint.safetensors"))
     hdr = _json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (loras / "zz_bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)

@@ -154,7 +154,7 @@ def _bad_files(loras):
     data = (loras / "whole.safetensors").read_bytes()
     (loras / "truncated.safetensors").write_bytes(data[: len(data) - 16])
     save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "nan_alpha.safetensors"), metadata={"ss_network_alpha": "nan"})
+              str(loras / "nan_alpha.safetensors"), metadata={"adapter_config": json.dumps({"lora_alpha": float("nan"), "r": 2})})
     save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / "checkpoint.safetensors"))
     hdr = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (loras / "bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
@@ -205,3 +205,20 @@ def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypat
     assert rep_s["decision"]["chosen"] == "merge" and rep_s["decision"]["share_lost"] < 0.5
     w1 = _weights(base)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_unmatched_keys_fail_unless_skip_and_report(folders, models_dir):
+    from safetensors.torch import load_file as _load, save_file as _save
+    sd = _load(str(models_dir / "loras" / "style.safetensors"))
+    sd["diffusion_model.blocks.7.self_attn.q.lora_down.weight"] = torch.zeros(4, 128)  # a block the model lacks
+    sd["diffusion_model.blocks.7.self_attn.q.lora_up.weight"] = torch.zeros(128, 4)
+    _save(sd, str(models_dir / "loras" / "extra.safetensors"))
+    with pytest.raises(NodeExecutionError) as ei:
+        execute_prompt(_prompt(lora="extra.safetensors"), CLASSES, folders=folders)
+    assert ei.value.node_id == "2" and "blocks.7.self_attn.q" in str(ei.value) and "skip and report" in str(ei.value)
+    p = _prompt(lora="extra.safetensors")
+    p["2"]["inputs"]["unmatched_keys"] = "skip and report"
+    res = execute_prompt(p, CLASSES, folders=folders)
+    cov = res.ui["8"]["lora_report"][0]["adapters"][0]["coverage"]
+    assert cov["unmatched"] == 1 and "blocks.7.self_attn.q" in cov["unmatched_examples"][0]
+    assert "per-layer .alpha tensors (20 layers)" in cov["scale_source"]

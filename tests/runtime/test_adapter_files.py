@@ -69,7 +69,11 @@ def test_partial_coverage_is_reported_with_examples(tmp_path, model):
     sd["diffusion_model.blocks.0.norm.lora_up.weight"] = torch.zeros(32, 2)
     sd["something_else"] = torch.zeros(3)
     save_file(sd, str(tmp_path / "p.safetensors"))
-    layers, report = match_adapter(load_adapter(tmp_path / "p.safetensors"), model)
+    # by default nothing is dropped silently: the load fails naming the keys and the way out
+    with pytest.raises(AdapterMatchError, match=r"3 of its keys would not be applied.*blocks.9.self_attn.q.*"
+                                                r"skip and report"):
+        match_adapter(load_adapter(tmp_path / "p.safetensors"), model)
+    layers, report = match_adapter(load_adapter(tmp_path / "p.safetensors"), model, lenient=True)
     assert len(layers) == 2 and report.partial
     assert len(report.unmatched) == 3
     text = " ".join(report.examples())
@@ -168,3 +172,52 @@ def test_a_header_length_starting_with_0x80_is_still_safetensors(tmp_path, model
         pytest.fail("could not make a header length of 128 mod 256")
     layers, _ = match_adapter(load_adapter(path), model)
     assert len(layers) == 2
+
+
+def test_an_adapter_for_another_family_fails_even_when_a_layer_happens_to_match(tmp_path, model):
+    """A Flux file on a Wan-like model: one key (proj_out -> head.head) maps, the rest do not."""
+    sd = {"transformer.proj_out.lora_A.weight": torch.zeros(2, 32), "transformer.proj_out.lora_B.weight": torch.zeros(32, 2)}
+    for i in range(3):
+        for part in ("to_q", "to_k"):
+            sd[f"transformer.transformer_blocks.{i}.attn.{part}.lora_A.weight"] = torch.zeros(2, 32)
+            sd[f"transformer.transformer_blocks.{i}.attn.{part}.lora_B.weight"] = torch.zeros(32, 2)
+        sd[f"transformer.single_transformer_blocks.{i}.proj_mlp.lora_A.weight"] = torch.zeros(2, 32)
+        sd[f"transformer.single_transformer_blocks.{i}.proj_mlp.lora_B.weight"] = torch.zeros(32, 2)
+    save_file(sd, str(tmp_path / "flux_style.safetensors"))
+    with pytest.raises(AdapterMatchError, match=r"only 1 of its 10 layers match.*adapter for Flux"):
+        match_adapter(load_adapter(tmp_path / "flux_style.safetensors"), model, lenient=True)
+
+
+def test_videox_fun_double_underscore_kohya_keys(tmp_path, model):
+    pairs = make_adapter_tensors(model, r=2)
+    sd = {}
+    for name, (d, u) in pairs.items():
+        stem = "lora_unet__" + name.replace(".", "_")
+        sd[f"{stem}.lora_down.weight"], sd[f"{stem}.lora_up.weight"] = d, u
+    save_file(sd, str(tmp_path / "vxf.safetensors"))
+    layers, report = match_adapter(load_adapter(tmp_path / "vxf.safetensors"), model)
+    assert sorted(layers) == sorted(pairs) and not report.partial
+
+
+def test_fp8_factors_are_upcast_and_said_so(tmp_path, model):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8 dtype")
+    pairs = make_adapter_tensors(model, r=2, only=["ffn.0"])
+    sd = {}
+    for name, (d, u) in pairs.items():
+        sd[f"diffusion_model.{name}.lora_down.weight"] = d.to(torch.float8_e4m3fn)
+        sd[f"diffusion_model.{name}.lora_up.weight"] = u.to(torch.float8_e4m3fn)
+    save_file(sd, str(tmp_path / "fp8.safetensors"))
+    ad = load_adapter(tmp_path / "fp8.safetensors")
+    la = next(iter(ad.layers.values()))
+    assert la.down.dtype == torch.float32 and any("upcast" in n for n in ad.notes)
+    name, (d, _) = next(iter(pairs.items()))
+    assert torch.equal(la.down, d.to(torch.float8_e4m3fn).float())  # the stored values, exactly
+
+
+def test_a_web_page_saved_as_safetensors_says_download_again(tmp_path):
+    from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
+    (tmp_path / "page.safetensors").write_text("<!DOCTYPE html><html><body>Sign in</body></html>")
+    with pytest.raises(LoraRuntimeError, match=r"page.safetensors is an HTML.*Download the file again") as ei:
+        load_adapter(tmp_path / "page.safetensors")
+    assert "Convert" not in str(ei.value)
