@@ -108,7 +108,8 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
             r, c = (bad.nonzero()[0] + torch.tensor([sl.start, 0], device=bad.device)).tolist()
             raise NonFiniteMergeError(
                 f"{what}: merging would write a non-finite value at [{r}, {c}]; no weight was changed. "
-                "The adapter or its strength is too large for this weight dtype: lower the strength or use dynamic mode"
+                "The adapter's update at this strength does not fit this weight dtype (dynamic mode would give "
+                "inf/NaN too): lower the strength, or load the model in bf16/fp32"
             )
         miss = _bits((new.float() - d).to(w.dtype)) != _bits(wc)
         if miss.any():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import MergeRefusedError
+from .errors import MergeRefusedError, NonFiniteMergeError
 from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from .wrapper import LoraLinear, mergeable
 
@@ -142,6 +142,12 @@ class _SequentialEstimate:
             d = w.delta_rows(sel, [s])
             exact = cur + d
             rounded = exact.to(dtype).float()
+            bad = ~torch.isfinite(rounded) & torch.isfinite(cur)
+            if bad.any():
+                raise NonFiniteMergeError(
+                    f"adapter {name}: on layer {layer} its update takes the {dtype} weight past the largest "
+                    f"{dtype} value (e.g. {float(exact[bad][0]):.4g}); merged or not, this gives inf/NaN. Lower its "
+                    "strength, or load the model in bf16/fp32")
             err += float((rounded - exact).double().pow(2).sum())
             ref += float(d.double().pow(2).sum())
             after[layer] = rounded
@@ -190,6 +196,9 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
 
     if mode is MergeMode.DYNAMIC:
         why = "dynamic mode never touches the weights"
+        check = _SequentialEstimate(wrappers)  # overflow check only: an update the weight dtype cannot hold
+        for name in names:
+            check.share(name)
         return _summary(mode, each("dynamic", why), n, {}, why)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set

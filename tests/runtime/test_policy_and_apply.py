@@ -330,3 +330,16 @@ def test_restore_follows_a_weight_that_moved_and_refuses_one_that_was_cast(files
     lin.weight.data = lin.weight.data.half()    # cast while merged: no bit-exact way back
     with pytest.raises(RestoreError, match=r"blocks.0.ffn.0.*cast or replaced.*dynamic"):
         inj.clear()
+
+
+@pytest.mark.parametrize("mode", ["auto", "dynamic", "merge"])
+def test_an_update_that_overflows_fp16_is_an_error_in_every_mode(tmp_path, mode):
+    """Before: auto read 'would round away inf %', kept it dynamic, and sampling gave inf."""
+    model = TinyWanLike(dtype=torch.float16)
+    snap = _snapshot(model)
+    pairs = make_adapter_tensors(TinyWanLike(), r=2, seed=5, scale=1.0, only=["ffn.0"])
+    pairs = {k: (d * 300.0, u * 300.0) for k, (d, u) in pairs.items()}  # |dW| ~ 1e5 > fp16 max 65504
+    path = write_kohya(tmp_path / "huge.safetensors", pairs, alpha=2.0)
+    with pytest.raises(NonFiniteMergeError, match=r"huge.safetensors.*blocks.\d.ffn.0.*(float16|non-finite).*[Ll]ower (its|the) strength"):
+        _run(model, [AdapterSpec(str(path))], mode, x=torch.randn(2, 5, 32).half())
+    _assert_same_state(model, snap)
