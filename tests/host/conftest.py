@@ -1,8 +1,8 @@
 """Fixtures for the bundled-host tests: the ComfyUI reference vectors.
 
-The reference folder is ``<workspace>/shared/reference`` (three levels above
-this repo's ``tests/host``) or ``$LORA_RUNTIME_REFERENCE_DIR``; tests that need
-it are skipped with a clear reason when it is absent.
+The reference folder is ``tests/data/comfyui-0.3.64`` (shipped with the repo; see
+tests/data/README.md), or ``$LORA_RUNTIME_REFERENCE_DIR``; a missing file fails the
+test that needs it, naming the file.
 """
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ def _reference_dir() -> Path:
     env = os.environ.get("LORA_RUNTIME_REFERENCE_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "reference"
+    from refdata import REF
+    return REF
 
 
 @pytest.fixture(scope="session")
 def ref_dir() -> Path:
     d = _reference_dir()
     if not (d / "README.md").is_file():
-        pytest.skip(f"ComfyUI reference vectors not found at {d} (set LORA_RUNTIME_REFERENCE_DIR)")
+        pytest.fail(f"ComfyUI reference vectors not found at {d}: tests/data ships with the repo "
+                    "(restore it from git) or set LORA_RUNTIME_REFERENCE_DIR")
     return d
 
 

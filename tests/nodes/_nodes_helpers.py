@@ -9,7 +9,7 @@ from comfyui_lora_runtime.nodes.lora_nodes import LoraSampler
 
 from pathlib import Path
 
-REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
+from refdata import REF  # noqa: E402
 
 
 class CondPos:

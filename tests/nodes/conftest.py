@@ -9,14 +9,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-REF = Path(__file__).resolve().parents[3] / "shared" / "reference"
+from refdata import REF, ref_file  # noqa: E402
 
 
 @pytest.fixture
 def models_dir(tmp_path):
     """A loras + diffusion_models folder with the reference tiny Wan and a few adapters."""
-    if not (REF / "tiny_wan_d128_l2.safetensors").is_file():
-        pytest.skip(f"reference tiny Wan checkpoint not found under {REF}")
+    ref_file("tiny_wan_d128_l2.safetensors")
     from _fixtures import write_kohya, write_peft
     from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
 
