@@ -1,7 +1,10 @@
 """Command line: run a saved workflow on the bundled host, no ComfyUI needed.
 
     python -m comfyui_lora_runtime run WORKFLOW.json [--output DIR] [--models DIR]
-                                      [--set NODE.INPUT=VALUE ...]
+                                      [--set NODE.INPUT=VALUE ...] [--bf16-unet]
+
+--set changes the API prompt and, for a UI-format workflow, the same widget of the
+workflow saved in the PNGs, so dropping a PNG into the editor reproduces its image.
 
 Exit codes: 0 done, 2 bad workflow / validation failed / bad arguments,
 1 a node failed while running, 130 interrupted (Ctrl-C).
@@ -11,15 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from typing import Any, Mapping, Sequence
 
 from .host.bundled import folder_paths, progress
 from .host.bundled.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
-                                    format_validation_errors, validate_prompt)
-from .host.bundled.workflow_format import WorkflowFormatError, load_workflow
+                                    format_validation_errors, normalized_prompt)
+from .host.bundled.workflow_format import WorkflowFormatError, load_workflow, set_widget_value
 
 log = logging.getLogger("comfyui_lora_runtime.cli")
 
@@ -55,7 +57,10 @@ def parse_set(item: str) -> tuple[str, str, Any]:
     return node_id, input_name, value
 
 
-def apply_overrides(prompt: dict, sets: Sequence[str], node_classes: Mapping[str, type]) -> None:
+def apply_overrides(prompt: dict, sets: Sequence[str], node_classes: Mapping[str, type]
+                    ) -> list[tuple[str, str, str]]:
+    """Apply --set items to the API prompt; returns [(item, node_id, input_name)] applied."""
+    applied = []
     for item in sets:
         node_id, input_name, value = parse_set(item)
         node = prompt.get(node_id)
@@ -74,6 +79,24 @@ def apply_overrides(prompt: dict, sets: Sequence[str], node_classes: Mapping[str
         if isinstance(old, list):
             print(f"note: --set {item} replaces the link from node {old[0]}", file=sys.stderr)
         node["inputs"][input_name] = value
+        applied.append((item, node_id, input_name))
+    return applied
+
+
+def apply_overrides_to_ui(ui_workflow: dict, applied: Sequence[tuple[str, str, str]], prompt: Mapping,
+                          node_classes: Mapping[str, type]) -> None:
+    """Write the --set values into the UI workflow as well (the value as validation converted
+    it, `prompt` being the validated prompt), so the PNG's workflow and prompt chunks agree."""
+    for item, node_id, input_name in applied:
+        value = prompt[node_id]["inputs"][input_name]
+        try:
+            note = set_widget_value(ui_workflow, node_id, input_name, value, node_classes)
+        except WorkflowFormatError as ex:
+            raise CliError(f"--set {item!r}: cannot write it into the UI workflow saved with the images "
+                           f"({ex}), so dropped into the editor they would not reproduce it. Override "
+                           f"it in an API-format workflow (its PNGs carry no workflow) instead.") from None
+        if note:
+            print(f"note: --set {item}: in the saved workflow, {note}", file=sys.stderr)
 
 
 class TextProgress:
@@ -102,22 +125,31 @@ class TextProgress:
             print(line, file=self.stream, flush=True)
 
 
-def run(args: argparse.Namespace, node_classes: Mapping[str, type] | None = None) -> int:
+def run(args: argparse.Namespace, node_classes: Mapping[str, type] | None = None, *,
+        unet_dtype: str | None = None) -> int:
+    """unet_dtype: the bundled host's weight dtype for this run (None: its default)."""
     folders = folder_paths.ModelFolders(models_dir=args.models, output_dir=args.output)
     with folder_paths.activated(folders):
         classes = dict(node_classes) if node_classes is not None else default_node_classes()
         try:
             prompt, ui_workflow = load_workflow(args.workflow, classes)
-            apply_overrides(prompt, args.set or [], classes)
+            applied = apply_overrides(prompt, args.set or [], classes)
         except (WorkflowFormatError, CliError) as ex:
             print(f"error: {ex}", file=sys.stderr)
             return EXIT_INVALID
 
-        ok, error, _, node_errors = validate_prompt(prompt, classes)
-        if not ok or node_errors:
+        try:
+            checked = normalized_prompt(prompt, classes)
+        except PromptValidationError as ex:
             print(f"error: {args.workflow} failed validation:", file=sys.stderr)
-            print(format_validation_errors(error, node_errors), file=sys.stderr)
+            print(format_validation_errors(ex.error, ex.node_errors), file=sys.stderr)
             return EXIT_INVALID
+        if ui_workflow is not None:
+            try:
+                apply_overrides_to_ui(ui_workflow, applied, checked, classes)
+            except CliError as ex:
+                print(f"error: {ex}", file=sys.stderr)
+                return EXIT_INVALID
 
         bar = TextProgress()
         extra = {"workflow": ui_workflow} if ui_workflow is not None else None
@@ -126,7 +158,7 @@ def run(args: argparse.Namespace, node_classes: Mapping[str, type] | None = None
         try:
             with progress.progress_hook(bar):
                 result = execute_prompt(prompt, classes, extra_pnginfo=extra, folders=folders,
-                                        on_node_start=bar.node_started)
+                                        on_node_start=bar.node_started, unet_dtype=unet_dtype)
         except NodeExecutionError as ex:
             print(f"error: node {ex.node_id} ({ex.class_type}) failed: {ex.exception_type}: "
                   f"{ex.exception_message}", file=sys.stderr)
@@ -186,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override an input of a node (VALUE is parsed as JSON if possible); repeatable")
     r.add_argument("--bf16-unet", action="store_true",
                    help="store and run diffusion models in bfloat16 (as ComfyUI does on a GPU, or with its "
-                        "--bf16-unet); default float32, what ComfyUI uses on the CPU")
+                        "--bf16-unet); default $LORA_RUNTIME_UNET_DTYPE, else float32, what ComfyUI "
+                        "uses on the CPU")
     r.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     d = sub.add_parser("demo", help="the main job: run the embedded workflows under every merge mode and tier, "
                                     "write the images, a contact sheet and a table of decisions")
@@ -205,11 +238,8 @@ def main(argv: Sequence[str] | None = None, node_classes: Mapping[str, type] | N
         return run_demo(args.output, steps=args.steps)
     if args.command != "run":
         return EXIT_INVALID
-    if args.bf16_unet:
-        from .host.bundled.core_nodes import UNET_DTYPE_ENV
-        os.environ[UNET_DTYPE_ENV] = "bf16"
     try:
-        return run(args, node_classes)
+        return run(args, node_classes, unet_dtype="bf16" if args.bf16_unet else None)
     except KeyboardInterrupt:  # Ctrl-C outside the sampling loop (loading, validating)
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from .host.bundled import folder_paths
-from .host.bundled.core_nodes import UNET_DTYPE_ENV
 from .host.bundled.executor import execute_prompt
+from .host.bundled.workflow_format import set_widget_value
 
 ROOT = Path(__file__).resolve().parent
 WORKFLOWS = ROOT / "workflows"
@@ -54,20 +54,23 @@ def _load(name: str) -> dict:
 def run_demo(output: str | os.PathLike, steps: int = 20) -> int:
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    os.environ[UNET_DTYPE_ENV] = "bf16"
     classes = _classes()
     folders = folder_paths.ModelFolders(output_dir=out)
     rows, sheet = [], []
     for label, wf, overrides in RUNS:
         prompt = _load(wf)
-        prompt["8"]["inputs"]["steps"] = steps
-        slug = label.replace(" ", "_")
-        prompt["10"]["inputs"]["filename_prefix"] = slug
-        for node, values in overrides.items():
-            prompt[node]["inputs"].update(values)
         ui_wf = json.loads((WORKFLOWS / f"{wf}.ui.json").read_text())
+        slug = label.replace(" ", "_")
+        changes = {"8": {"steps": steps}, "10": {"filename_prefix": slug}}
+        for node, values in overrides.items():
+            changes.setdefault(node, {}).update(values)
+        for node, values in changes.items():  # to both, so each PNG's workflow reproduces it
+            prompt[node]["inputs"].update(values)
+            for name, value in values.items():
+                set_widget_value(ui_wf, node, name, value, classes)
         t0 = time.perf_counter()
-        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf})
+        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf},
+                             unet_dtype="bf16")
         wall = time.perf_counter() - t0
         report = res.ui["8"]["lora_report"][0]
         files = res.saved_files()

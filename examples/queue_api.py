@@ -7,7 +7,9 @@
 1. POST /prompt {"prompt": ..., "client_id": ...}  -> prompt_id (HTTP 400 carries node_errors)
 2. follow ws://SERVER/ws?clientId=... until "execution_success" (or "execution_error")
 3. GET /history/<prompt_id> for the outputs, then GET /view?filename=...&type=output for each image
-It prints the LoRA Sampler's runtime report (decision, share lost, coverage) from the history.
+It prints the LoRA Sampler's runtime report from the history: what the merge mode decided
+and why (e.g. "mode dynamic -> dynamic (dynamic mode never touches the weights)", or
+"mode auto -> dynamic: a merge would lose 95.0% (...)"), layers kept dynamic, coverage.
 """
 from __future__ import annotations
 
@@ -60,6 +62,37 @@ def wait_for(server: str, client_id: str, prompt_id: str, timeout: float = 600.0
         ws.close()
 
 
+def decision_text(rep: dict) -> str:
+    """What the merge mode decided, from the report's decision dict
+    (requested, chosen, share_lost, reason)."""
+    d = rep.get("decision") or {}
+    requested = d.get("requested") or rep.get("mode_requested", "?")
+    if not d:
+        return f"mode {requested} -> no adapter"
+    text = f"mode {requested} -> {d.get('chosen', '?')}"
+    if d.get("share_lost") is not None:  # measured (auto); dynamic and merge modes measure nothing
+        text += f": a merge would lose {d['share_lost']:.1%}"
+    if d.get("reason"):
+        text += f" ({d['reason']})"
+    return text
+
+
+def report_lines(node_id: str, rep: dict) -> list[str]:
+    """The LoRA Sampler's runtime report (an entry of a history output's "lora_report")."""
+    d = rep.get("decision") or {}
+    lines = [f"node {node_id}: {decision_text(rep)}, tier {rep.get('tier', '?')}"]
+    if d.get("kept_dynamic"):
+        lines.append(f"  {d['kept_dynamic']} layers kept dynamic: {d.get('kept_dynamic_reason', '')}")
+    for a in rep.get("adapters", []):
+        c = a.get("coverage") or {}
+        ad = a.get("decision") or {}
+        lines.append(f"  {a.get('name')} x{a.get('strength')}: {c.get('matched', '?')}/{c.get('file_layers', '?')} "
+                     "layers" + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
+                     + (f"; {ad['chosen']}" if ad.get("chosen") else "")
+                     + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workflow")
@@ -85,10 +118,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for node_id, o in outputs.items():
         for rep in o.get("lora_report", []):
-            d = rep.get("decision") or {}
-            print(f"node {node_id}: mode {rep['mode_requested']} -> {d.get('chosen')}, share lost "
-                  f"{d.get('share_lost')}, tier {rep['tier']}, "
-                  f"coverage {[(a['name'], a['coverage'].get('matched')) for a in rep['adapters']]}")
+            print("\n".join(report_lines(node_id, rep)))
         for img in o.get("images", []):
             q = urllib.parse.urlencode({"filename": img["filename"], "subfolder": img["subfolder"],
                                         "type": img["type"]})

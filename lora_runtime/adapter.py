@@ -281,7 +281,7 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = False
+def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = False, log_coverage: bool = True
                   ) -> tuple[dict[str, LayerAdapter], CoverageReport]:
     """Map the adapter's layers onto the model's Linear modules.
 
@@ -325,10 +325,11 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
             f"{adapter.name}: {len(report.unmatched)} of its keys would not be applied: "
             f"{', '.join(report.examples(5))}. Nothing is dropped silently: use the matching adapter, or set "
             "'unmatched keys' to 'skip and report' on the Load LoRA Adapter node to apply the rest.")
-    if report.partial:
-        log.warning("LoRA %s only partly matches the model: %s", adapter.name, report.summary())
-    else:
-        log.info("LoRA %s", report.summary())
+    if log_coverage:  # the loader node checks first and says nothing; the run logs it once
+        if report.partial:
+            log.warning("LoRA only partly matches the model: %s", report.summary())
+        else:
+            log.info("LoRA %s", report.summary())
     return matched, report
 
 

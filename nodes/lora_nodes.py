@@ -72,7 +72,8 @@ class LoadLoraAdapter:
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
         # names and shapes only: the model is not loaded or patched here
-        _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient)  # no match raises here
+        _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
+                                    log_coverage=False)  # no match raises here
         entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
                                      lenient)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))

@@ -326,7 +326,7 @@ export const formatReport = safe(
         key: "settings",
         text: settings.join(" · "),
         level: "info",
-        title: "Quality tier and merge mode the LoRA Sampler ran with.",
+        title: "Quality tier and merge mode the sampler ran with.",
       });
     }
 
@@ -336,6 +336,39 @@ export const formatReport = safe(
   },
   () => [{ key: "invalid", text: "LoRA runtime report unreadable", level: "warn", title: "" }],
 );
+
+/** A badge's hover text: its whole line (it may be cut with an ellipsis on the node), then the details. */
+export const hoverText = safe((item) => {
+  if (!isObj(item)) return "";
+  const text = str(item.text);
+  const title = str(item.title);
+  if (!title || title === text) return text;
+  if (!text || title.startsWith(text)) return title;
+  return `${text}\n${title}`;
+}, "");
+
+const SEVERITY = { error: 0, warn: 1 };
+
+/**
+ * The one-line badge shown instead of the lines when there is no room for them under the
+ * node: errors and warnings first, then the lines in order, joined; its hover text holds
+ * every line whole. null for no badges.
+ */
+export const collapsedSummary = safe((items) => {
+  const all = list(items).filter(isObj);
+  if (!all.length) return null;
+  const rank = (i) => SEVERITY[i.level] ?? 2;
+  const ordered = all.map((item, i) => ({ item, i }))
+    .sort((a, b) => rank(a.item) - rank(b.item) || a.i - b.i)
+    .map((x) => x.item);
+  return {
+    key: "summary",
+    text: ordered.map((i) => str(i.text)).filter(Boolean).join(" · "),
+    level: str(ordered[0].level, "info"),
+    title: all.map((i) => str(i.text)).filter(Boolean).join("\n"),
+    count: all.length,
+  };
+}, null);
 
 /** One line for node.properties / logs: the badges' texts joined. */
 export const summarize = safe((items) => list(items).map((i) => str(isObj(i) ? i.text : "")).filter(Boolean)

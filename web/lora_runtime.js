@@ -7,8 +7,14 @@
 //   workflow and shown again when the workflow is loaded.
 // - Classic LiteGraph canvas: it is rendered in a DOM widget (node.addDOMWidget,
 //   type "lora_runtime_report", not serialized), which the canvas' DOM-widget
-//   overlay lays over the node; the node is widened so the lines fit (up to
-//   MAX_NODE_WIDTH; longer lines end in an ellipsis, the tooltip has the text).
+//   overlay lays over the node.
+// - Layout (both renderers): the report never changes a node's width nor its
+//   position; it only makes the node taller. A line wider than the node ends in an
+//   ellipsis (its hover text has it whole). When the node below (any node whose
+//   column overlaps this one's, starting lower) would be covered by the lines, the
+//   report is one line instead - errors and warnings first, then the lines joined,
+//   hover text with every line - and a click on it shows every line (the user's
+//   choice: it may then cover that node), another click folds it again.
 // - Vue node renderer ("Nodes 2.0", setting Comfy.VueNodes.Enabled): that renderer
 //   draws none of this. It only renders widgets whose type is in its own widget
 //   registry, and in frontend 1.27 it copies a node's widget list when the node is
@@ -19,6 +25,9 @@
 //   same lines are rendered into a second element that is placed inside the Vue
 //   node's own element (its body, under the widgets), and put back there when the
 //   renderer re-creates the node's DOM. Nothing is added to node.widgets for it.
+//   Frontend 1.49's Vue renderer shows DOM widgets inside the node: where the DOM
+//   widget's element is inside the Vue node, that second element is left out (the
+//   report would be shown twice).
 // - Setting "LoraRuntime.ShowBadges" hides / shows it; a change of
 //   Comfy.VueNodes.Enabled moves it between the two places.
 // No canvas draw hooks are used. Every frontend API use is guarded; nothing here
@@ -26,7 +35,7 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { formatPayload, payloadFromOutput, summarize } from "./lora_report_format.js";
+import { collapsedSummary, formatPayload, hoverText, payloadFromOutput, summarize } from "./lora_report_format.js";
 
 const SETTING_ID = "LoraRuntime.ShowBadges";
 const VUE_SETTING_ID = "Comfy.VueNodes.Enabled";
@@ -53,9 +62,8 @@ const LINE_PX = 16;
 const PAD_PX = 4;
 const SIDE_PAD_PX = 6; // left / right padding of the report body
 const MARGIN_PX = 10; // room for the DOM widget's margin in the classic canvas
-const MIN_NODE_WIDTH = 280;
-const MAX_NODE_WIDTH = 480; // the classic node is widened to fit its lines up to this
-const VUE_MAX_WIDTH_PX = 440; // the report inside a Vue node wraps beyond this
+const GAP_PX = 8; // kept free above a node below (graph units)
+const TITLE_PX = 30; // LiteGraph.NODE_TITLE_HEIGHT when the global is not there
 const VUE_CHECK_MS = 250; // how often a Vue-mode report is checked to be in its node
 const COLORS = {
   ok: "var(--lora-runtime-ok, #5fb760)",
@@ -107,6 +115,9 @@ function nodeState(node) {
       value: {
         widget: null, root: null, body: null, vueRoot: null, vueBody: null, items: [], lines: 0,
         lastOutput: null,
+        tight: false, // no room under the node for every line (decided by the renderer in use)
+        expanded: false, // the user clicked the one-line badge: every line anyway
+        rendered: { classic: null, vue: null }, // what each body shows ("full"/"collapsed" + items)
       },
       enumerable: false,
     });
@@ -145,8 +156,9 @@ function makeReportElement(doc, vue) {
     pointerEvents: "auto",
   });
   if (vue) {
-    // a block in the Vue node's body (a flex column); the node sizes itself to it
-    Object.assign(root.style, { margin: "0 16px", maxWidth: `${VUE_MAX_WIDTH_PX}px` });
+    // a block in the Vue node's body (a flex column), as wide as the body: its lines do not
+    // count for the node's width (inline-size containment), so the node is never widened
+    Object.assign(root.style, { margin: "0 16px", contain: "inline-size", minWidth: "0" });
   } else {
     Object.assign(root.style, { width: "100%", height: "100%" });
   }
@@ -183,7 +195,8 @@ function ensureWidget(node) {
   st.widget = widget;
   st.root = root;
   st.body = body;
-  renderLines(st.body, st.items, false);
+  st.rendered.classic = null;
+  renderBody(node, false);
   return st;
 }
 
@@ -196,36 +209,49 @@ function ensureVueElement(node) {
   const { root, body } = makeReportElement(doc, true);
   st.vueRoot = root;
   st.vueBody = body;
-  renderLines(st.vueBody, st.items, true);
+  st.rendered.vue = null;
+  renderBody(node, true);
   return st;
+}
+
+function collapsed(st) {
+  return !!st && st.lines > 1 && !st.expanded && st.tight;
+}
+
+function shownLines(st) {
+  if (!st || !st.lines) return 0;
+  return collapsed(st) ? 1 : st.lines;
+}
+
+function reportHeight(lines) {
+  return lines ? lines * LINE_PX + PAD_PX : 0;
 }
 
 function widgetHeight(node) {
   const st = node[STATE];
   if (!st || !st.lines || !badgesEnabled()) return 0;
-  return st.lines * LINE_PX + PAD_PX + 2 * MARGIN_PX;
+  return reportHeight(shownLines(st)) + 2 * MARGIN_PX;
 }
 
-function makeRow(doc, item, wrap) {
+function makeRow(doc, item) {
   const row = doc.createElement("div");
   row.className = `lora-runtime-badge lora-runtime-${item.level}`;
   row.dataset.key = String(item.key);
   row.dataset.level = String(item.level);
   row.textContent = String(item.text ?? "");
-  row.title = String(item.title || item.text || "");
+  row.title = hoverText(item) || String(item.text ?? "");
+  // one line each, never wider than the node: cut with an ellipsis, whole in the hover text
   Object.assign(row.style, {
     color: COLORS[item.level] || COLORS.info,
     fontWeight: item.level === "warn" || item.level === "error" ? "600" : "normal",
+    whiteSpace: "nowrap",
+    overflow: "hidden",
+    textOverflow: "ellipsis",
   });
-  if (wrap) Object.assign(row.style, { whiteSpace: "normal", overflowWrap: "anywhere" });
-  else Object.assign(row.style, { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" });
   return row;
 }
 
-function renderLines(body, items, wrap) {
-  const doc = globalThis.document;
-  if (!doc || !body) return;
-  const rows = (items || []).map((item) => makeRow(doc, item, wrap));
+function replaceRows(body, rows) {
   if (typeof body.replaceChildren === "function") body.replaceChildren(...rows);
   else {
     while (body.firstChild) body.removeChild(body.firstChild);
@@ -233,46 +259,47 @@ function renderLines(body, items, wrap) {
   }
 }
 
-/** Width in px the widest line needs on one line (0 when it cannot be measured). */
-function measureLines(items) {
-  return quietly(() => {
-    const doc = globalThis.document;
-    const host = doc?.body;
-    if (!doc || !host || typeof host.appendChild !== "function" || !items?.length) return 0;
-    const probe = doc.createElement("div");
-    Object.assign(probe.style, {
-      position: "absolute",
-      left: "-10000px",
-      top: "0",
-      visibility: "hidden",
-      width: "max-content",
-      font: `11px/${LINE_PX}px sans-serif`,
-    });
-    const rows = items.map((item) => makeRow(doc, item, false));
-    for (const r of rows) probe.appendChild(r);
-    host.appendChild(probe);
-    let widest = 0;
-    try {
-      for (const r of rows) widest = Math.max(widest, Number(r.scrollWidth) || 0);
-    } finally {
-      if (typeof probe.remove === "function") probe.remove();
-      else host.removeChild?.(probe);
-    }
-    return widest;
-  }) || 0;
+/** Every line, or the one-line badge when there is no room under the node (see the header). */
+function renderBody(node, vue) {
+  const st = node[STATE];
+  const doc = globalThis.document;
+  const body = vue ? st?.vueBody : st?.body;
+  if (!st || !doc || !body) return;
+  const fold = collapsed(st);
+  const key = `${fold ? "collapsed" : "full"}:${st.tight ? "tight" : "room"}`;
+  const slot = vue ? "vue" : "classic";
+  if (st.rendered[slot] && st.rendered[slot].key === key && st.rendered[slot].items === st.items) return;
+  st.rendered[slot] = { key, items: st.items };
+  let rows;
+  if (fold) {
+    const summary = collapsedSummary(st.items);
+    const row = makeRow(doc, { ...summary, text: `\u25B8 ${summary.text}` });
+    row.title = `${summary.title}\n\n(click to show all ${summary.count} lines)`;
+    row.dataset.collapsed = "true";
+    rows = [row];
+  } else {
+    rows = (st.items || []).map((item) => makeRow(doc, item));
+  }
+  replaceRows(body, rows);
+  // a click on the badge shows every line; on the lines, folds them again (only where room is short)
+  const foldable = st.lines > 1 && st.tight;
+  body.onclick = foldable ? () => quietly(() => toggleExpanded(node)) : null;
+  body.style.cursor = foldable ? "pointer" : "";
+  body.dataset.collapsed = fold ? "true" : "false";
 }
 
-/** Node width at which no line is cut, capped at MAX_NODE_WIDTH. */
-function fittingWidth(st) {
-  const text = measureLines(st.items);
-  if (!text) return 0;
-  // DOM widget margin and body padding on both sides, and a pixel or two of rounding
-  return Math.min(MAX_NODE_WIDTH, Math.ceil(text) + 2 * MARGIN_PX + 2 * SIDE_PAD_PX + 2);
+function toggleExpanded(node) {
+  const st = node[STATE];
+  if (!st) return;
+  st.expanded = !st.expanded;
+  renderBody(node, false);
+  renderBody(node, true);
+  fitNode(node, false, { decide: false });
 }
 
 // ---------------------------------------------------------------- placement
 
-function vueNodeBody(node) {
+function vueNodeHost(node) {
   return quietly(() => {
     const doc = globalThis.document;
     if (!doc || typeof doc.querySelector !== "function") return null;
@@ -280,10 +307,74 @@ function vueNodeBody(node) {
     if (current && node.graph && node.graph !== current) return null; // not on screen
     const id = String(node.id).replace(/["\\]/g, "\\$&");
     const host = doc.querySelector(`[data-node-id="${id}"]`);
-    if (!host || typeof host.querySelector !== "function") return null;
+    return host && typeof host.querySelector === "function" ? host : null;
+  }) ?? null;
+}
+
+function vueNodeBody(node) {
+  return quietly(() => {
+    const host = vueNodeHost(node);
+    if (!host) return null;
+    const id = String(node.id).replace(/["\\]/g, "\\$&");
     // the node's body (slots, widgets, content); absent while the node is collapsed
     return host.querySelector(`[data-testid="node-body-${id}"]`);
   }) ?? null;
+}
+
+function titleHeight() {
+  const h = Number(globalThis.LiteGraph?.NODE_TITLE_HEIGHT);
+  return Number.isFinite(h) && h > 0 ? h : TITLE_PX;
+}
+
+/**
+ * The lowest y (graph units) the node may reach without covering a node below it: the title
+ * of the nearest node whose column overlaps this one's and whose body starts lower, less a gap.
+ * Infinity when there is none (or the graph cannot be read).
+ */
+function roomBelow(node) {
+  return quietly(() => {
+    const graph = node.graph ?? app?.graph;
+    const raw = graph?._nodes ?? graph?.nodes;
+    const nodes = Array.isArray(raw) ? raw : raw && typeof raw.values === "function" ? [...raw.values()] : [];
+    const x0 = Number(node.pos?.[0]);
+    const y0 = Number(node.pos?.[1]);
+    const x1 = x0 + Number(node.size?.[0]);
+    if (![x0, y0, x1].every(Number.isFinite)) return Infinity;
+    const th = titleHeight();
+    let limit = Infinity;
+    for (const other of nodes) {
+      if (!other || other === node || !other.pos || !other.size) continue;
+      const ox0 = Number(other.pos[0]);
+      const oy = Number(other.pos[1]);
+      const ox1 = ox0 + Number(other.flags?.collapsed ? (other._collapsed_width || other.size[0]) : other.size[0]);
+      if (![ox0, oy, ox1].every(Number.isFinite)) continue;
+      if (ox0 >= x1 || ox1 <= x0 || oy <= y0) continue; // another column, or not below
+      limit = Math.min(limit, oy - th - GAP_PX);
+    }
+    return limit;
+  }) ?? Infinity;
+}
+
+/** Vue mode: would every line make the node reach into the node below? (measured in its element) */
+function decideVueTight(node) {
+  const st = node[STATE];
+  if (!st) return false;
+  const tight = quietly(() => {
+    if (!st.lines || st.lines < 2) return false;
+    const host = vueNodeHost(node);
+    const hostHeight = Number(host?.offsetHeight) || 0;
+    if (!hostHeight) return st.tight; // not drawn yet: keep what was decided
+    // what of ours the node holds now (our element, or the DOM widget where the renderer shows it)
+    let ours = 0;
+    for (const el of [st.vueRoot, st.root]) {
+      if (el && el.isConnected && host.contains?.(el)) ours += Number(el.offsetHeight) || 0;
+    }
+    // the Vue node's element starts at the title; sizes are graph units (the canvas scale is a transform)
+    const bottom = Number(node.pos[1]) - titleHeight() + hostHeight - ours + reportHeight(st.lines);
+    return bottom > roomBelow(node);
+  });
+  st.tight = !!tight;
+  return st.tight;
 }
 
 function detachVue(st) {
@@ -304,12 +395,29 @@ function placeVue(node) {
     detachVue(st);
     return false;
   }
+  const host = vueNodeHost(node);
+  if (host && st.root && st.root.isConnected && host.contains?.(st.root)) {
+    // This renderer shows the DOM widget inside the Vue node itself (frontend 1.49): a second
+    // element would show the report twice.
+    detachVue(st);
+    if (!st.widgetInVue) {
+      st.widgetInVue = true;
+      decideVueTight(node);
+      renderBody(node, false);
+    }
+    return true;
+  }
+  st.widgetInVue = false;
   ensureVueElement(node);
   if (!st.vueRoot) return false;
   const display = badgesEnabled() ? "" : "none";
   if (st.vueBody.style.display !== display) st.vueBody.style.display = display;
   const target = vueNodeBody(node);
-  if (target && st.vueRoot.parentNode !== target) quietly(() => target.appendChild(st.vueRoot));
+  if (target && st.vueRoot.parentNode !== target) {
+    quietly(() => target.appendChild(st.vueRoot));
+    decideVueTight(node);
+    renderBody(node, true);
+  }
   return true;
 }
 
@@ -343,20 +451,42 @@ function applyVisibility(node) {
   fitNode(node, !visible);
 }
 
-function fitNode(node, shrink) {
+/**
+ * Classic canvas: the node keeps its width and position and grows downwards to its report;
+ * when every line would reach into the node below, the report is one line (see the header).
+ * decide: false keeps the current decision (a click on the badge).
+ */
+function fitNode(node, shrink, { decide = true } = {}) {
   quietly(() => {
+    const st = node[STATE];
     if (vueNodesActive()) {
-      // Vue nodes size themselves to their content.
+      // Vue nodes size themselves to their content (their width is not ours to change).
+      if (decide && st) {
+        decideVueTight(node);
+        renderBody(node, true);
+      }
       node.setDirtyCanvas?.(true, true);
       return;
     }
     if (typeof node.computeSize !== "function" || typeof node.setSize !== "function") return;
-    const need = node.computeSize();
     const size = node.size || [0, 0];
-    const fit = shrink ? 0 : fittingWidth(node[STATE]);
-    const width = Math.max(size[0] || 0, need[0] || 0, MIN_NODE_WIDTH, fit);
-    const height = shrink ? need[1] : Math.max(size[1] || 0, need[1] || 0);
-    if (width !== size[0] || height !== size[1]) node.setSize([width, height]);
+    const y = Number(node.pos?.[1]);
+    if (decide && st) {
+      st.tight = false;
+      if (!shrink && st.lines > 1 && Number.isFinite(y)) {
+        const full = node.computeSize();
+        st.tight = y + Math.max(size[1] || 0, full[1] || 0) > roomBelow(node);
+      }
+      renderBody(node, false);
+    }
+    const need = node.computeSize();
+    let height = shrink ? need[1] : Math.max(size[1] || 0, need[1] || 0);
+    if (!shrink && collapsed(st) && Number.isFinite(y)) {
+      // folded for lack of room: not taller than the room (a node grown before folds back)
+      height = Math.max(need[1] || 0, Math.min(size[1] || 0, roomBelow(node) - y));
+    }
+    const width = size[0]; // never wider: lines that do not fit end in an ellipsis
+    if (height !== size[1]) node.setSize([width, height]);
     node.setDirtyCanvas?.(true, true);
   });
 }
@@ -369,18 +499,20 @@ function show(node, spec, payload, { persist }) {
   const st = nodeState(node);
   st.items = items;
   st.lines = items.length;
+  st.expanded = false; // a new report: the layout decides again
   if (!items.length) {
-    renderLines(st.body, items, false);
-    renderLines(st.vueBody, items, true);
+    renderBody(node, false);
+    renderBody(node, true);
     applyVisibility(node);
     return;
   }
   // No elements while the badges are off: nothing to hide, nothing to lay out.
   if (!badgesEnabled() && !st.widget && !st.vueRoot) return;
   ensureWidget(node);
-  renderLines(st.body, items, false);
-  renderLines(st.vueBody, items, true);
   applyVisibility(node);
+  // what the layout did not draw again (the badges are off, no Vue node): the new lines
+  renderBody(node, false);
+  renderBody(node, true);
 }
 
 function onOutput(node, spec, output) {

@@ -1,7 +1,8 @@
 """The bundled host: the subset of ComfyUI's API the pack uses, so its workflows
 run with no ComfyUI installed (CLI, tests, benchmarks).
 
-Modules: folder_paths (model folders), model_patcher (MODEL), progress (progress
+Modules: folder_paths (model folders), options (launch options given per run:
+the weight dtype), model_patcher (MODEL), progress (progress
 bar, interruption), core_nodes (ComfyUI core node types), executor (validate and
 run API-format prompts), workflow_format (UI <-> API format), png_metadata
 (prompt/workflow PNG chunks), wan21 / sampling / latent_format (the model and

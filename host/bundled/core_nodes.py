@@ -15,6 +15,9 @@ import random
 import torch
 
 from . import folder_paths
+# the weight dtype: a per-run option (options.using, execute_prompt(unet_dtype=...)),
+# $LORA_RUNTIME_UNET_DTYPE only its default; re-exported here
+from .options import UNET_DTYPE_ENV, unet_dtype  # noqa: F401
 from .model_patcher import SAMPLER_SAMPLE, BundledModel, BundledModelPatcher, ModelSamplingFlow, run_wrapped
 from .png_metadata import save_png
 from .progress import ProgressBar, throw_exception_if_processing_interrupted
@@ -49,20 +52,6 @@ def _scheduler_names() -> list[str]:
         return list(_sampling().SCHEDULER_NAMES)
     except ImportError:
         return list(_FALLBACK_SCHEDULERS)
-
-
-UNET_DTYPE_ENV = "LORA_RUNTIME_UNET_DTYPE"
-_UNET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def unet_dtype() -> torch.dtype:
-    """Storage and compute dtype of loaded diffusion models: float32 by default (what
-    ComfyUI uses on the CPU); ``bf16`` emulates a GPU ComfyUI (or ComfyUI's
-    ``--bf16-unet``), where merge rounding matters. A launch option, like ComfyUI's."""
-    name = os.environ.get(UNET_DTYPE_ENV, "fp32").strip().lower()
-    if name not in _UNET_DTYPES:
-        raise ValueError(f"{UNET_DTYPE_ENV}={name!r}: use one of {', '.join(_UNET_DTYPES)}")
-    return _UNET_DTYPES[name]
 
 
 class UNETLoader:

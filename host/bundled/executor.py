@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Any, Callable, Mapping
 
-from . import folder_paths
+from . import folder_paths, options
 from .progress import (InterruptProcessingException, executing_node,
                        throw_exception_if_processing_interrupted)
 
@@ -89,6 +89,19 @@ def validate_prompt(prompt: Mapping[str, Any], node_classes: NodeClasses, *,
     with folder_paths.activated(folders):
         return _validate(copy.deepcopy(dict(prompt)) if isinstance(prompt, Mapping) else prompt,
                          node_classes)
+
+
+def normalized_prompt(prompt: Mapping[str, Any], node_classes: NodeClasses, *,
+                      folders: folder_paths.ModelFolders | None = None) -> dict:
+    """A validated copy of `prompt` with its literal inputs converted (INT, FLOAT, STRING,
+    BOOLEAN), i.e. what `execute_prompt` runs and what SaveImage stores in a PNG.
+    Raises PromptValidationError."""
+    with folder_paths.activated(folders):
+        work = copy.deepcopy(dict(prompt)) if isinstance(prompt, Mapping) else prompt
+        ok, error, _, node_errors = _validate(work, node_classes)
+    if not ok or node_errors:
+        raise PromptValidationError(error, node_errors)
+    return work
 
 
 def _prompt_error(kind: str, message: str, details: str = "") -> dict:
@@ -423,12 +436,16 @@ def format_validation_errors(error: dict | None, node_errors: Mapping[str, dict]
 def execute_prompt(prompt: Mapping[str, Any], node_classes: NodeClasses, *,
                    extra_pnginfo: dict | None = None, output_dir: str | os.PathLike | None = None,
                    folders: folder_paths.ModelFolders | None = None,
-                   on_node_start: Callable[[str, str], None] | None = None) -> ExecutionResult:
+                   on_node_start: Callable[[str, str], None] | None = None,
+                   unet_dtype: str | None = None) -> ExecutionResult:
     """Validate and run `prompt`. Raises PromptValidationError, NodeExecutionError,
-    or InterruptProcessingException (interrupt requested while running)."""
+    or InterruptProcessingException (interrupt requested while running).
+
+    unet_dtype: the host's weight dtype for this run ("fp32", "bf16", "fp16"; see
+    `options`); None: the one in effect, by default $LORA_RUNTIME_UNET_DTYPE or fp32."""
     base = folders or folder_paths.active_folders()
     run_folders = base.with_output_directory(output_dir) if output_dir is not None else base
-    with folder_paths.activated(run_folders):
+    with folder_paths.activated(run_folders), options.using(unet_dtype=unet_dtype):
         work = copy.deepcopy(dict(prompt))
         ok, error, outputs, node_errors = _validate(work, node_classes)
         if not ok or node_errors:

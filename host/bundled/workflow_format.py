@@ -201,11 +201,37 @@ def _has_control_widget(name: str, spec: Any) -> bool:
     return typ == "INT" and name in SEED_WIDGET_NAMES
 
 
-def _map_widgets(nid: str, node: Mapping, cls: type, inputs: dict) -> None:
+def _widget_specs(cls: type) -> tuple[dict, list[str]]:
+    """(input specs by name, the widget names in widgets_values order) of a node class."""
     class_inputs = cls.INPUT_TYPES()
     specs = dict(class_inputs.get("required") or {})
     specs.update(class_inputs.get("optional") or {})
-    widget_names = [name for name, spec in specs.items() if _is_widget(spec)]
+    return specs, [name for name, spec in specs.items() if _is_widget(spec)]
+
+
+def _widget_layout(specs: Mapping, widget_names: list[str], values: list) -> tuple[list[tuple[str, int]], int]:
+    """Where each widget's value sits in a list `widgets_values`: ([(name, index)], values used).
+
+    One value per widget in order, plus the control_after_generate value saved after a
+    seed widget. An index >= len(values) is where a missing value would go."""
+    layout = []
+    i = 0
+    for name in widget_names:
+        layout.append((name, i))
+        i += 1
+        if i < len(values) and _has_control_widget(name, specs[name]) \
+                and values[i] in ("fixed", "increment", "decrement", "randomize"):
+            i += 1  # the control_after_generate value
+    return layout, min(i, len(values))
+
+
+def _widget_default(spec: Any) -> Any:
+    return (spec[1] or {}).get("default") if isinstance(spec, (tuple, list)) and len(spec) > 1 \
+        and isinstance(spec[1], dict) else None
+
+
+def _map_widgets(nid: str, node: Mapping, cls: type, inputs: dict) -> None:
+    specs, widget_names = _widget_specs(cls)
     values = node.get("widgets_values")
     if values is None:
         values = []
@@ -218,10 +244,10 @@ def _map_widgets(nid: str, node: Mapping, cls: type, inputs: dict) -> None:
         raise WorkflowFormatError(f"node {nid} ({node['type']}): widgets_values must be a list, "
                                   f"got {type(values).__name__}")
     linked = {inp.get("name") for inp in node.get("inputs") or [] if inp.get("link") is not None}
-    i = 0
-    for name in widget_names:
+    layout, used = _widget_layout(specs, widget_names, values)
+    for name, i in layout:
         if i >= len(values):
-            default = (specs[name][1] or {}).get("default") if len(specs[name]) > 1 else None
+            default = _widget_default(specs[name])
             if name in linked:
                 continue
             if default is None:
@@ -234,10 +260,85 @@ def _map_widgets(nid: str, node: Mapping, cls: type, inputs: dict) -> None:
             inputs[name] = default
             continue
         inputs[name] = values[i]
-        i += 1
-        if _has_control_widget(name, specs[name]) and i < len(values) \
-                and values[i] in ("fixed", "increment", "decrement", "randomize"):
-            i += 1  # the control_after_generate value
-    if i < len(values):
+    if used < len(values):
         log.debug("node %s (%s): %d extra widget values ignored: %r", nid, node["type"],
-                  len(values) - i, values[i:])
+                  len(values) - used, values[used:])
+
+
+# ---------------------------------------------------------------------------
+def set_widget_value(workflow: dict, node_id: str | int, input_name: str, value: Any,
+                     node_classes: Mapping[str, type]) -> str | None:
+    """Write `value` into a UI-format workflow (in place) as the widget `input_name` of
+    node `node_id`, where `ui_to_api` reads it back: the same INPUT_TYPES, widget order
+    and control_after_generate rule. So an override of the API prompt (e.g. the CLI's
+    --set) can be made to the workflow saved beside it, and the two stay in agreement.
+
+    A widget whose input is linked (converted to an input, fed by a PrimitiveNode or
+    another node) is disconnected, as the API override replaces that link with the
+    value. Returns a note saying so, else None. Raises WorkflowFormatError when the
+    node is not in the workflow or `input_name` is not one of its widgets."""
+    nid = str(node_id)
+    node = next((n for n in workflow.get("nodes") or []
+                 if isinstance(n, dict) and str(n.get("id")) == nid), None)
+    if node is None:
+        raise WorkflowFormatError(f"node {nid} is not in the UI workflow")
+    cls = node_classes.get(node.get("type"))
+    if cls is None:
+        raise WorkflowFormatError(f"node {nid} ({node.get('type')}): unknown node type")
+    specs, widget_names = _widget_specs(cls)
+    if input_name not in widget_names:
+        raise WorkflowFormatError(
+            f"node {nid} ({node['type']}): {input_name!r} is not a widget (widgets: "
+            f"{', '.join(widget_names) or 'none'}), so the UI workflow cannot hold a value for it")
+    note = None
+    for inp in node.get("inputs") or []:
+        if inp.get("link") is not None and (inp.get("name") == input_name or
+                                             (inp.get("widget") or {}).get("name") == input_name):
+            origin = _disconnect(workflow, inp)
+            note = f"disconnected the link from node {origin}" if origin is not None else "disconnected its link"
+    values = node.get("widgets_values")
+    if isinstance(values, Mapping):
+        values[input_name] = value
+    else:
+        if values is None:
+            values = node["widgets_values"] = []
+        if not isinstance(values, list):
+            raise WorkflowFormatError(f"node {nid} ({node['type']}): widgets_values must be a list, "
+                                      f"got {type(values).__name__}")
+        layout, _ = _widget_layout(specs, widget_names, values)
+        index = dict(layout)[input_name]
+        for name, i in layout:  # missing values before it: what ui_to_api uses for them
+            if len(values) <= i < index:
+                values.append(_widget_default(specs[name]))
+        if index < len(values):
+            values[index] = value
+        else:
+            values.append(value)
+    check: dict[str, Any] = {}
+    _map_widgets(nid, node, cls, check)
+    if input_name not in check or check[input_name] != value:  # pragma: no cover - a layout bug
+        raise WorkflowFormatError(f"node {nid} ({node['type']}): could not write widget {input_name!r}")
+    return note
+
+
+def _disconnect(workflow: dict, inp: dict) -> str | None:
+    """Remove the link into input `inp` from the workflow; returns the origin node id."""
+    link_id = inp.get("link")
+    inp["link"] = None
+    origin = None
+    kept = []
+    for link in workflow.get("links") or []:
+        lid, o = ((link.get("id"), link.get("origin_id")) if isinstance(link, Mapping)
+                  else (link[0], link[1]) if isinstance(link, (list, tuple)) and len(link) >= 2 else (None, None))
+        if lid == link_id:
+            origin = o
+            continue
+        kept.append(link)
+    if "links" in workflow:
+        workflow["links"] = kept
+    for n in workflow.get("nodes") or []:
+        if isinstance(n, dict) and (origin is None or str(n.get("id")) == str(origin)):
+            for out in n.get("outputs") or []:
+                if isinstance(out.get("links"), list) and link_id in out["links"]:
+                    out["links"].remove(link_id)
+    return None if origin is None else str(origin)

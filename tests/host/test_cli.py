@@ -98,7 +98,10 @@ def test_run_ui_with_set_writes_workflow_chunk(tmp_path, capsys):
     assert img.size == (8, 12)                       # width 32 -> latent w 4 -> image w 8
     assert img.getpixel((0, 0)) == (51, 51, 51)      # int(255 * 0.2)
     meta = read_png_metadata(png)
-    assert meta["workflow"] == UI
+    expected = json.loads(json.dumps(UI))            # --set reaches the workflow chunk too
+    expected["nodes"][1]["widgets_values"] = [0.2]
+    expected["nodes"][0]["widgets_values"] = [32, 48, 1, 1]
+    assert meta["workflow"] == expected
     assert meta["prompt"]["7"]["inputs"]["level"] == 0.2
 
 
@@ -172,3 +175,45 @@ def test_sigint_first_requests_interrupt_second_aborts():
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class ToyText:
+    """A STRING socket (forceInput): the UI workflow has no widget for it."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "text": ("STRING", {"forceInput": True})}}
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "go"
+
+    def go(self, samples, text):
+        b, _, _, h, w = samples["samples"].shape
+        return (torch.full((b, h * 2, w * 2, 3), 0.5),)
+
+
+class ToyString:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"value": ("STRING", {"default": "a"})}}
+    RETURN_TYPES = ("STRING",)
+    FUNCTION = "go"
+
+    def go(self, value):
+        return (value,)
+
+
+def test_set_the_ui_workflow_cannot_hold_exits_2(tmp_path, capsys):
+    ui = json.loads(json.dumps(UI))
+    ui["nodes"][1] = {"id": 7, "type": "ToyText", "mode": 0,
+                      "inputs": [{"name": "samples", "type": "LATENT", "link": 1},
+                                 {"name": "text", "type": "STRING", "link": 3}],
+                      "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [2]}], "widgets_values": []}
+    ui["nodes"].append({"id": 9, "type": "ToyString", "mode": 0, "inputs": [],
+                        "outputs": [{"name": "STRING", "type": "STRING", "links": [3]}], "widgets_values": ["b"]})
+    ui["links"].append([3, 9, 0, 7, 1, "STRING"])
+    classes = {**NODES, "ToyText": ToyText, "ToyString": ToyString}
+    args = ["run", write(tmp_path, ui), "--output", str(tmp_path / "out"), "--models", str(tmp_path / "models")]
+    assert main(args, node_classes=classes) == 0
+    assert main(args + ["--set", "7.text=hi"], node_classes=classes) == 2
+    err = capsys.readouterr().err
+    assert "--set '7.text=hi': cannot write it into the UI workflow" in err and "'text' is not a widget" in err
+    assert len(list((tmp_path / "out").iterdir())) == 1   # only the first run's image

@@ -6,7 +6,7 @@ import pytest
 
 from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled.workflow_format import (WorkflowFormatError, detect_format,
-                                                               load_workflow, ui_to_api)
+                                                               load_workflow, set_widget_value, ui_to_api)
 
 
 class ToyCond:
@@ -180,3 +180,59 @@ def test_load_workflow_both_formats(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(WorkflowFormatError, match="bad.json"):
         load_workflow(tmp_path / "bad.json", NODES)
+
+
+# -- set_widget_value: an API override written back into the UI workflow ------------
+def _only(api, node_id, **changed):
+    """`api` with node `node_id`'s inputs changed by `changed` (for comparisons)."""
+    out = copy.deepcopy(api)
+    out[node_id]["inputs"].update(changed)
+    return out
+
+
+def test_set_widget_value_lands_where_ui_to_api_reads_it():
+    wf = ui_workflow()
+    api = ui_to_api(wf, NODES)
+    assert set_widget_value(wf, "6", "steps", 9, NODES) is None     # after seed + "randomize"
+    assert set_widget_value(wf, 6, "denoise", 0.5, NODES) is None   # an int id works too
+    assert set_widget_value(wf, "3", "std", 0.25, NODES) is None
+    ks = next(n for n in wf["nodes"] if n["id"] == 6)
+    assert ks["widgets_values"] == [42, "randomize", 9, 5.0, "euler", "simple", 0.5]
+    assert ui_to_api(wf, NODES) == _only(_only(api, "6", steps=9, denoise=0.5), "3", std=0.25)
+
+
+def test_set_widget_value_on_a_linked_widget_disconnects_the_link():
+    """seed comes from a PrimitiveNode: the override replaces that link, as in the API."""
+    wf = ui_workflow()
+    api = ui_to_api(wf, NODES)
+    note = set_widget_value(wf, "6", "seed", 4242, NODES)
+    assert note == "disconnected the link from node 11"
+    ks = next(n for n in wf["nodes"] if n["id"] == 6)
+    assert ks["widgets_values"][:2] == [4242, "randomize"]
+    assert next(i for i in ks["inputs"] if i["name"] == "seed")["link"] is None
+    assert all(l[0] != 7 for l in wf["links"])
+    assert next(n for n in wf["nodes"] if n["id"] == 11)["outputs"][0]["links"] == []
+    assert ui_to_api(wf, NODES) == _only(api, "6", seed=4242)
+
+
+def test_set_widget_value_fills_missing_values_and_dict_widgets():
+    wf = ui_workflow()
+    next(n for n in wf["nodes"] if n["id"] == 4)["widgets_values"] = [64, 48]
+    api = ui_to_api(wf, NODES)
+    set_widget_value(wf, "4", "batch_size", 3, NODES)
+    assert next(n for n in wf["nodes"] if n["id"] == 4)["widgets_values"] == [64, 48, 25, 3]
+    assert ui_to_api(wf, NODES) == _only(api, "4", batch_size=3)
+    wf = ui_workflow()
+    next(n for n in wf["nodes"] if n["id"] == 4)["widgets_values"] = {"width": 32, "height": 32}
+    set_widget_value(wf, "4", "length", 5, NODES)
+    assert ui_to_api(wf, NODES)["4"]["inputs"] == {"width": 32, "height": 32, "length": 5}
+
+
+def test_set_widget_value_refuses_what_the_workflow_cannot_hold():
+    wf = ui_workflow()
+    before = copy.deepcopy(wf)
+    with pytest.raises(WorkflowFormatError, match=r"node 6 \(KSampler\): 'model' is not a widget"):
+        set_widget_value(wf, "6", "model", 1, NODES)
+    with pytest.raises(WorkflowFormatError, match="node 99 is not in the UI workflow"):
+        set_widget_value(wf, "99", "seed", 1, NODES)
+    assert wf == before

@@ -154,8 +154,11 @@ import hashlib
 import logging
 import threading
 
-import comfy.model_management
-import comfy.patcher_extension
+try:  # ComfyUI's modules; absent when test_workflows_real.py execs this file for the bundled host
+    import comfy.model_management
+    import comfy.patcher_extension
+except ImportError:
+    comfy = None
 
 _LOG = logging.getLogger("zz_lora_runtime_it")
 _EVENTS = []  # what the mid-run wrappers did; drained by the weight-state node
@@ -255,6 +258,10 @@ class ZZLoraRuntimeTestUnloadMidRun:
             calls[0] += 1
             n = calls[0]
             if n in (unload_at, reload_at):
+                dm = executor.class_obj
+                # while the sampler runs: the keys and the modules carrying a LoRA runtime adapter
+                _record({"node": "mid_run", "call": n, "keys": sorted(dm.state_dict()),
+                         "attached": sorted(name for name, mod in dm.named_modules() if "_lora_runtime" in mod.__dict__)})
                 mp = _sampled_patcher(executor.class_obj)
                 if mp is None:
                     _record({"node": "mid_run", "call": n, "error": "no loaded patcher for this diffusion model"})

@@ -200,8 +200,11 @@ def test_adapter_changes_the_output(assets, cond_class, baseline, mode, chosen):
     rep = report_of(rec)
     assert rep["decision"]["chosen"] == chosen, rep["decision"]
     assert rep["adapters"][0]["coverage"]["matched"] == 20, rep["adapters"]
-    cov = rec["history"]["outputs"]["11"]["lora_coverage"][0]
-    assert cov["matched"] == 20, cov
+    # the loader node's own output: newer ComfyUI (0.33) keeps a cached node's ui out of
+    # /history, so it is only there when node 11 ran in this prompt
+    node11 = rec["history"]["outputs"].get("11")
+    if node11 is not None:
+        assert node11["lora_coverage"][0]["matched"] == 20, node11
 
 
 def test_dynamic_and_merge_agree(assets, cond_class):

@@ -83,6 +83,10 @@ export class FakeElement {
     if (!this.children.length) return String(this.textContent).length * 6;
     return Math.max(...this.children.map((c) => c.scrollWidth));
   }
+  contains(other) {
+    for (let e = other; e; e = e.parentNode) if (e === this) return true;
+    return false;
+  }
   setAttribute(name, value) {
     this.attrs[name] = String(value);
   }
@@ -147,6 +151,7 @@ export function makeNodeClass({ withDomWidgets = true } = {}) {
     constructor() {
       this.id = nextNodeId++;
       this.properties = {};
+      this.pos = [0, 0];
       this.size = [200, 120];
       this.widgets = [];
       this.addDOMWidgetCalls = [];

@@ -127,7 +127,7 @@ test("garbage input never throws", () => {
   for (const x of inputs) {
     for (const fn of [fmt.formatReport, fmt.formatCoverage, fmt.formatDecision, fmt.formatFusions,
       fmt.formatTimings, fmt.formatCoverageList, fmt.payloadFromOutput, fmt.summarize, fmt.formatShare,
-      fmt.formatSeconds, fmt.formatBytes]) {
+      fmt.formatSeconds, fmt.formatBytes, fmt.hoverText, fmt.collapsedSummary]) {
       assert.doesNotThrow(() => fn(x), `${fn.name} on ${typeof x}`);
     }
     assert.doesNotThrow(() => fmt.formatPayload("report", x));
@@ -148,4 +148,33 @@ test("payloadFromOutput reads both nodes' UI outputs", () => {
   assert.equal(fmt.payloadFromOutput({ images: [] }), null);
   assert.equal(fmt.payloadFromOutput({ lora_report: [] }), null);
   assert.equal(fmt.summarize(fmt.formatReport(rep)).split(" | ")[0], "dynamic — a merge would lose 78 %");
+});
+
+test("hoverText: the whole line first, then its details", () => {
+  assert.equal(fmt.hoverText({ text: "a line", title: "" }), "a line");
+  assert.equal(fmt.hoverText({ text: "a line", title: "a line" }), "a line");
+  assert.equal(fmt.hoverText({ text: "a line", title: "a line: more" }), "a line: more");
+  assert.equal(fmt.hoverText({ text: "a line", title: "why" }), "a line\nwhy");
+  for (const item of fmt.formatReport(fullReport())) {
+    assert.ok(fmt.hoverText(item).startsWith(item.text), item.key);
+  }
+});
+
+test("collapsedSummary: one line, warnings and errors first, every line in the hover text", () => {
+  const items = fmt.formatReport(fullReport());
+  const s = fmt.collapsedSummary(items);
+  assert.equal(s.count, items.length);
+  assert.equal(s.level, "warn");
+  // the two warning lines lead, in their order; then the others in theirs
+  const warns = items.filter((i) => i.level === "warn").map((i) => i.text);
+  const others = items.filter((i) => i.level !== "warn").map((i) => i.text);
+  assert.equal(s.text, [...warns, ...others].join(" · "));
+  assert.equal(s.title, items.map((i) => i.text).join("\n"));
+  const ok = fmt.collapsedSummary([{ key: "a", text: "merged", level: "ok" }, { key: "b", text: "t", level: "info" }]);
+  assert.equal(ok.text, "merged · t");
+  assert.equal(ok.level, "ok");
+  const err = fmt.collapsedSummary([{ text: "x", level: "warn" }, { text: "broken", level: "error" }]);
+  assert.ok(err.text.startsWith("broken · x"));
+  assert.equal(err.level, "error");
+  assert.equal(fmt.collapsedSummary([]), null);
 });

@@ -256,29 +256,99 @@ const vueMode = (value) => {
 };
 const vueRoot = (body) => body.children.find((c) => String(c.className).includes("lora-runtime-vue"));
 
-test("classic canvas: the node is widened to fit its longest line, up to 480 px", async () => {
+test("classic canvas: the node keeps its width and position; a long line ends in an ellipsis", async () => {
   setting(true);
   const Loader = await register("LoraRuntimeLoadAdapter");
   const node = create(Loader);
+  node.pos = [370, 40];
   const adapter = "a_long_adapter_name_for_the_width_test.safetensors";
   node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
   const line = rows(node)[0];
   assert.equal(line.textContent, `${adapter}: 40/40 layers (kohya)`);
-  // the harness measures 6 px a character; + DOM widget margin, body padding, rounding
-  const need = line.textContent.length * 6 + 2 * 10 + 2 * 6 + 2;
-  assert.ok(need > 280 && need < 480, need);
-  assert.equal(node.size[0], need, "widened to fit the line");
-  assert.equal(node.size[0] - 2 * 10 - 2 * 6 >= line.scrollWidth, true, "the line is not cut");
-  assert.equal(document.body.children.length, 0, "the measuring element is removed");
-  // a node the user made wider stays as wide
-  node.setSize([600, node.size[1]]);
-  node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
-  assert.equal(node.size[0], 600);
-
+  assert.ok(line.scrollWidth > node.size[0], "the line is wider than the node");
+  assert.equal(node.size[0], 200, "not widened");
+  assert.deepEqual(node.pos, [370, 40], "not moved");
+  assert.ok(node.size[1] >= node.computeSize()[1], "grown downwards to the report");
+  assert.equal(line.style.whiteSpace, "nowrap");
+  assert.equal(line.style.overflow, "hidden");
+  assert.equal(line.style.textOverflow, "ellipsis", "a line wider than the node ends in an ellipsis");
+  assert.ok(line.title.startsWith(line.textContent), "the hover text has the whole line");
+  assert.equal(document.body.children.length, 0, "nothing left in the page");
+  // a node the user made wider or narrower keeps its width
+  for (const w of [600, 150]) {
+    node.setSize([w, node.size[1]]);
+    node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
+    assert.equal(node.size[0], w);
+  }
   const huge = create(Loader);
   huge.onExecuted({ lora_coverage: [{ adapter: `${"x".repeat(200)}.safetensors`, matched: 1, file_layers: 1 }] });
-  assert.equal(huge.size[0], 480, "capped");
-  assert.equal(rows(huge)[0].style.textOverflow, "ellipsis", "a longer line ends in an ellipsis");
+  assert.equal(huge.size[0], 200);
+});
+
+test("classic canvas: no room under the node for every line -> one-line badge, click shows all", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  const Other = makeNodeClass();
+  const below = new Other();
+  const beside = new Other();
+  node.pos = [0, 0];
+  below.pos = [100, 200]; // overlaps the node's column, starts lower
+  beside.pos = [250, 10]; // another column: never in the way
+  node.graph = { nodes: [node, below, beside] };
+  const limit = below.pos[1] - 30 - 8; // its title, and a gap
+  const report = fullReport();
+  const items = fmt.formatReport(report);
+  node.onExecuted({ lora_report: [report] });
+  const full = 100 + items.length * 16 + 4 + 20; // what every line would need (harness computeSize)
+  assert.ok(full > limit, "the test needs a report taller than the room");
+
+  let r = rows(node);
+  assert.equal(r.length, 1, "one line");
+  assert.equal(r[0].dataset.collapsed, "true");
+  const firstWarning = items.find((i) => i.level === "warn").text;
+  assert.ok(r[0].textContent.startsWith(`\u25B8 ${firstWarning} · `), r[0].textContent); // warnings lead
+  assert.equal(r[0].dataset.level, "warn");
+  for (const i of items) assert.ok(r[0].title.includes(i.text), `hover text has ${i.text}`);
+  assert.equal(r[0].style.textOverflow, "ellipsis");
+  assert.ok(node.size[1] <= limit, `node reaches ${node.size[1]}, the node below starts at ${limit}`);
+  assert.equal(node.size[0], 200);
+  assert.ok(node.widgets[0].options.getMinHeight() < 16 * 2 + 24);
+  // the stored report and summary are the whole report
+  assert.deepEqual(JSON.parse(node.properties.lora_runtime_report), report);
+  assert.equal(node.properties.lora_runtime_summary, fmt.summarize(items));
+
+  // a click shows every line (the user's choice), another folds them and the node shrinks back
+  const body = node.widgets[0].element.children[0];
+  assert.equal(typeof body.onclick, "function");
+  body.onclick();
+  assert.equal(rows(node).length, items.length);
+  assert.ok(node.size[1] >= full);
+  body.onclick();
+  assert.equal(rows(node).length, 1);
+  assert.ok(node.size[1] <= limit);
+
+  // setting off and on: still folded
+  setting(false);
+  setting(true);
+  assert.equal(rows(node).length, 1);
+  assert.ok(node.size[1] <= limit);
+
+  // the node below moved away: the next report shows every line, no click handler
+  below.pos = [100, 2000];
+  node.onExecuted({ lora_report: [fullReport()] });
+  r = rows(node);
+  assert.equal(r.length, items.length);
+  assert.equal(body.onclick, null);
+  assert.ok(node.size[1] >= full);
+  assert.equal(node.size[0], 200);
+  // a one-line report is never folded
+  below.pos = [100, 150];
+  node.onExecuted({ lora_report: [{ ...report, decision: null, adapters: [], fusions: null, tier: null,
+    mode_requested: null, host: null, patch_seconds: null, sample_seconds: null, total_seconds: null,
+    seconds_per_step: null, restore_bytes: null }] });
+  assert.equal(rows(node).length, 1);
+  assert.equal(rows(node)[0].dataset.collapsed, undefined);
 });
 
 test("Vue nodes: the report is shown inside the node's element, not through a widget", async () => {
@@ -295,7 +365,11 @@ test("Vue nodes: the report is shown inside the node's element, not through a wi
     assert.ok(host.querySelector(`[data-testid="node-body-${node.id}"]`).children.includes(root));
     const expected = fmt.formatReport(report);
     assert.deepEqual(root.children[0].children.map((r) => r.textContent), expected.map((i) => i.text));
-    assert.equal(root.children[0].children[0].style.whiteSpace, "normal", "lines wrap instead of being cut");
+    const line = root.children[0].children[0];
+    assert.equal(line.style.whiteSpace, "nowrap", "one line each");
+    assert.equal(line.style.textOverflow, "ellipsis", "cut with an ellipsis, never wider than the node");
+    assert.equal(root.style.contain, "inline-size", "the lines do not widen the Vue node");
+    assert.equal(root.style.maxWidth, undefined);
     // only the classic DOM widget (not serialized) is in node.widgets; nothing else was added
     assert.deepEqual(node.widgets.map((w) => w.type), ["lora_runtime_report"]);
     assert.equal(node.widgets[0].serialize, false);
@@ -326,6 +400,35 @@ test("Vue nodes: the report is shown inside the node's element, not through a wi
     vueMode(true);
     assert.equal(vueRoot(again.body), root);
     again.host.remove();
+  } finally {
+    vueMode(false);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+});
+
+test("Vue nodes that show the DOM widget themselves (frontend 1.49): the report is shown once", async () => {
+  setting(true);
+  const Sampler = await register("LoraRuntimeSampler");
+  const node = create(Sampler);
+  vueMode(true);
+  try {
+    const { host, body } = addVueNode(node.id);
+    node.onExecuted({ lora_report: [fullReport()] });
+    assert.ok(vueRoot(body), "our element while the renderer shows no widget");
+    // the renderer mounts the DOM widget's element inside the node
+    body.appendChild(node.widgets[0].element);
+    await new Promise((r) => setTimeout(r, 400));
+    assert.equal(vueRoot(body), undefined, "our second element is taken out");
+    assert.ok(body.children.includes(node.widgets[0].element));
+    assert.equal(rows(node).length, fmt.formatReport(fullReport()).length);
+    // a new run: the widget shows the new lines
+    node.onExecuted({ lora_report: [{ ...fullReport(), decision: null, adapters: [] }] });
+    assert.equal(rows(node)[0].textContent, "no adapter applied");
+    assert.equal(vueRoot(body), undefined);
+    setting(false);
+    assert.equal(node.widgets[0].element.children[0].style.display, "none");
+    setting(true);
+    host.remove();
   } finally {
     vueMode(false);
     await new Promise((r) => setTimeout(r, 5));

@@ -4,7 +4,8 @@
 //
 // CONFIG (written by the test): url, chromium, playwrightDir, screenshotDir, docsScreenshot,
 // uiWorkflow {path, name, expected}, png {path, name, expected}, samplerId, adapterId,
-// docsNodeIds, timeouts {action, load, run}.
+// docsNodeIds, foldNeighbourId, stock {workflow {path, name, expected}, samplerId, reportId},
+// timeouts {action, load, run}.
 // `expected` is {nodeId: {type, widgets_values}} for the nodes the file holds.
 //
 // Every stage is run in order, each in its own try/catch: a failed stage is recorded
@@ -181,12 +182,19 @@ function pageReportState(id) {
     bodyDisplay: body ? body.style.display : null,
     visible: shown(body),
     lines: rows.map((r) => ({ text: r.textContent, level: r.dataset.level, key: r.dataset.key, title: r.title,
-      scrollWidth: r.scrollWidth, clientWidth: r.clientWidth })),
+      scrollWidth: r.scrollWidth, clientWidth: r.clientWidth, textOverflow: getComputedStyle(r).textOverflow,
+      whiteSpace: getComputedStyle(r).whiteSpace, collapsed: r.dataset.collapsed === "true" })),
+    collapsed: body ? body.dataset.collapsed === "true" : null,
+    clickable: !!(body && typeof body.onclick === "function"),
     text: rows.map((r) => r.textContent).join("\n"),
     elementRect: elRect,
     vueNodeRect: nodeRect,
     canvasNodeBox,
     insideVueNode: vueNode ? !!(el && vueNode.contains(el)) : null,
+    // how many of our report elements the Vue node shows (1: never the report twice)
+    visibleReportsInNode: vueNode
+      ? [...vueNode.querySelectorAll(".lora-runtime-report")].filter((e) => shown(e.firstElementChild)).length
+      : null,
     insideNodeBox,
     parentClass: el && el.parentElement ? String(el.parentElement.className) : null,
     nodeSize: [Math.round(node.size[0]), Math.round(node.size[1])],
@@ -231,6 +239,88 @@ function pageFocusNodes({ ids, pad, maxScale }) {
   };
 }
 
+/**
+ * Every node's box (graph units, title included) and, for each widget the canvas draws, whether
+ * its label was drawn whole ("whole"), cut ("cut": only a prefix of it was drawn) or not at all
+ * ("none"). Labels are read off one full redraw: CanvasRenderingContext2D.fillText is recorded
+ * while each node's drawWidgets runs (the core's drawTextInArea draws a cut label without its
+ * ellipsis, which it draws apart).
+ */
+function pageLayout() {
+  const g = window.app.graph;
+  const c = window.app.canvas;
+  const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
+  const drawn = new Map();
+  let current = null;
+  const proto = CanvasRenderingContext2D.prototype;
+  const fillText = proto.fillText;
+  const wrapped = [];
+  for (const n of g.nodes) {
+    if (typeof n.drawWidgets !== "function") continue;
+    const own = Object.prototype.hasOwnProperty.call(n, "drawWidgets");
+    const f = n.drawWidgets;
+    n.drawWidgets = function (...a) {
+      current = n.id;
+      try {
+        return f.apply(this, a);
+      } finally {
+        current = null;
+      }
+    };
+    wrapped.push([n, own, f]);
+  }
+  proto.fillText = function (text, ...rest) {
+    if (current !== null) {
+      if (!drawn.has(current)) drawn.set(current, []);
+      drawn.get(current).push(String(text));
+    }
+    return fillText.call(this, text, ...rest);
+  };
+  try {
+    c.draw(true, true);
+  } finally {
+    proto.fillText = fillText;
+    for (const [n, own, f] of wrapped) {
+      if (own) n.drawWidgets = f;
+      else delete n.drawWidgets;
+    }
+  }
+  return {
+    scale: c.ds.scale,
+    lowQuality: !!c.low_quality,
+    titleHeight: th,
+    nodes: g.nodes.map((n) => {
+      const texts = drawn.get(n.id) || [];
+      const labels = (n.widgets || []).filter((w) => !(w.element instanceof HTMLElement) && w.type !== "hidden")
+        .map((w) => {
+          const label = String(w.displayName || w.label || w.name || "");
+          let state = "none";
+          if (texts.includes(label)) state = "whole";
+          else if (texts.some((t) => t.length > 0 && t.length < label.length && label.startsWith(t))) state = "cut";
+          return { name: w.name, label, state };
+        });
+      const collapsed = !!(n.flags && n.flags.collapsed);
+      return {
+        id: n.id,
+        type: n.type,
+        title: n.title,
+        collapsed,
+        pos: [n.pos[0], n.pos[1]],
+        size: [n.size[0], n.size[1]],
+        // the node as drawn: its title bar above pos, its body below
+        box: {
+          x: n.pos[0],
+          y: n.pos[1] - th,
+          w: collapsed ? (n._collapsed_width || n.size[0]) : n.size[0],
+          h: collapsed ? th : n.size[1] + th,
+        },
+        labels,
+        drewWidgets: drawn.has(n.id),
+      };
+    }),
+  };
+}
+
 // ------------------------------------------------------------------ node-side helpers
 
 async function graphSnapshot() {
@@ -239,6 +329,37 @@ async function graphSnapshot() {
 
 async function reportState(id) {
   return page.evaluate(pageReportState, id);
+}
+
+/** pageLayout() with every node on screen at (about) 100 %: the wide window, then back. */
+async function layoutSnapshot() {
+  const vp = page.viewportSize();
+  const big = cfg.docsViewport || { width: 2400, height: 900 };
+  await page.setViewportSize(big);
+  await settle(800);
+  const ids = await page.evaluate(() => window.app.graph.nodes.map((n) => n.id));
+  await focusNodes(ids, 48, 1.0);
+  const snap = await page.evaluate(pageLayout);
+  await page.setViewportSize(vp);
+  await settle(800);
+  await focusNodes(cfg.docsNodeIds, 30, 1.0);
+  return snap;
+}
+
+/** Pairs of nodes whose boxes overlap (by more than half a unit each way). */
+function overlaps(snap) {
+  const out = [];
+  const ns = snap.nodes;
+  for (let i = 0; i < ns.length; i += 1) {
+    for (let j = i + 1; j < ns.length; j += 1) {
+      const a = ns[i].box;
+      const b = ns[j].box;
+      const dx = Math.min(a.x + a.w, b.x + b.w) - Math.max(a.x, b.x);
+      const dy = Math.min(a.y + a.h, b.y + b.h) - Math.max(a.y, b.y);
+      if (dx > 0.5 && dy > 0.5) out.push({ a: ns[i].id, b: ns[j].id, dx, dy, boxA: a, boxB: b });
+    }
+  }
+  return out;
 }
 
 async function focusNodes(ids, pad = 40, maxScale = 1.0) {
@@ -356,6 +477,7 @@ async function queueFromUi(rec) {
     '[data-testid="queue-button"] button.p-splitbutton-button',
     '[data-testid="queue-button"] button[aria-label="Run"]',
     "button#queue-button",
+    'button[data-testid="queue-button"]', // frontend 1.49: the Run button itself carries the test id
   ];
   rec.queuedVia = null;
   for (const sel of selectors) {
@@ -464,6 +586,26 @@ async function main() {
       results.console.push({ type: m.type(), text: m.text(), url: loc.url || "", line: loc.lineNumber ?? null,
         stage: currentStage });
     });
+    // where each console error / warning was logged from (the whole JS stack; Playwright gives only
+    // the call site): the test tells the core's own messages from ones our extension caused
+    results.consoleStacks = [];
+    try {
+      const cdp = await context.newCDPSession(page);
+      cdp.on("Runtime.consoleAPICalled", (e) => {
+        if (e.type !== "error" && e.type !== "warning") return;
+        results.consoleStacks.push({
+          type: e.type,
+          text: (e.args || []).map((a) => (a.value !== undefined ? String(a.value) : a.description || "")).join(" "),
+          frames: ((e.stackTrace && e.stackTrace.callFrames) || []).map((f) => ({ url: f.url, fn: f.functionName,
+            line: f.lineNumber })),
+          stage: currentStage,
+        });
+      });
+      await cdp.send("Runtime.enable");
+    } catch (e) {
+      results.consoleStacks = null;
+      note(`no console stacks: ${String(e).split("\n")[0]}`);
+    }
     page.on("pageerror", (e) => results.pageErrors.push({ message: e.message, stack: e.stack || "",
       stage: currentStage }));
     page.on("requestfailed", (r) => results.requestFailures.push({ url: r.url(),
@@ -503,7 +645,7 @@ async function main() {
       await page.evaluate(() => {
         window.__loraIT = { events: [] };
         const types = ["execution_start", "execution_success", "execution_error", "execution_interrupted",
-          "execution_cached", "executed"];
+          "execution_cached", "executed", "lora_runtime.report"];
         for (const t of types) {
           window.app.api.addEventListener(t, (e) => {
             const d = e.detail || {};
@@ -570,6 +712,7 @@ async function main() {
           JSON.parse(fs.readFileSync(cfg.uiWorkflow.path, "utf-8")));
         rec.loadedViaFallback = true;
       }
+      rec.layoutBefore = await layoutSnapshot();
       await focusNodes(cfg.docsNodeIds, 30, 1.0);
       rec.before = await reportState(cfg.samplerId);
       await queueFromUi(rec);
@@ -604,6 +747,81 @@ async function main() {
       ensure(rec.adapter.visible, "the adapter node's coverage is not visible");
     });
 
+    // 4b. the layout after the run: no node covers another, no widget label newly cut --------
+    currentStage = "layout";
+    if (ran) {
+      await stage("layout", async (rec) => {
+        rec.after = await layoutSnapshot();
+        rec.overlaps = overlaps(rec.after);
+        rec.overlapsBefore = overlaps(results.stages.run.layoutBefore);
+        const vp = page.viewportSize();
+        await page.setViewportSize(cfg.docsViewport || { width: 2400, height: 900 });
+        await settle(800);
+        await focusNodes(rec.after.nodes.map((n) => n.id), 48, 1.0);
+        await shot("layout_after_run");
+        await page.setViewportSize(vp);
+        await settle(800);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+      });
+    }
+
+    // 4c. a node right under the sampler: the report folds to one line, a click unfolds it ---
+    currentStage = "fold";
+    if (ran && cfg.foldNeighbourId) {
+      await stage("fold", async (rec) => {
+        const setting = (v) => setSetting(SETTING, v);
+        rec.full = await reportState(cfg.samplerId);
+        // under the sampler: room for the one-line badge, not for every line
+        rec.moved = await page.evaluate((a) => {
+          const s = window.app.graph.getNodeById(a.sampler);
+          const n = window.app.graph.getNodeById(a.neighbour);
+          const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
+          const was = [n.pos[0], n.pos[1]];
+          const saved = (a.lines - 1) * 16; // what folding saves
+          n.pos = [s.pos[0] + 20, s.pos[1] + s.size[1] - saved / 2 + th + 8];
+          window.app.canvas.setDirty(true, true);
+          return { was, now: [n.pos[0], n.pos[1]], samplerBottom: s.pos[1] + s.size[1] };
+        }, { sampler: cfg.samplerId, neighbour: cfg.foldNeighbourId, lines: rec.full.lines.length });
+        // the layout is decided when the report is shown: the setting off and on shows it again
+        await setting(false);
+        await settle();
+        await setting(true);
+        await focusNodes([cfg.samplerId, cfg.foldNeighbourId], 60, 1.0);
+        rec.folded = await reportState(cfg.samplerId);
+        rec.foldedLayout = await layoutSnapshot();
+        rec.foldedOverlaps = overlaps(rec.foldedLayout);
+        await focusNodes([cfg.samplerId, cfg.foldNeighbourId], 60, 1.0);
+        await shot("report_folded_above_a_node");
+        // a click on the badge (the user's choice) shows every line ...
+        const badge = page.locator(`.lora-runtime-report [data-collapsed="true"]`).first();
+        await badge.click({ timeout: T.action });
+        await settle();
+        rec.unfolded = await reportState(cfg.samplerId);
+        await shot("report_unfolded_by_click");
+        // ... another folds it again
+        await page.evaluate((id) => {
+          const n = window.app.graph.getNodeById(id);
+          const w = n.widgets.find((x) => x.name === "lora_runtime_report");
+          return w.element.firstElementChild.click();
+        }, cfg.samplerId);
+        await settle();
+        rec.refolded = await reportState(cfg.samplerId);
+        // the neighbour back where it was: the next showing has every line again
+        await page.evaluate((a) => {
+          const n = window.app.graph.getNodeById(a.neighbour);
+          n.pos = a.was;
+          window.app.canvas.setDirty(true, true);
+        }, { neighbour: cfg.foldNeighbourId, was: rec.moved.was });
+        await setting(false);
+        await settle();
+        await setting(true);
+        await focusNodes(cfg.docsNodeIds, 30, 1.0);
+        rec.back = await reportState(cfg.samplerId);
+        rec.backOverlaps = overlaps(await layoutSnapshot());
+        ensure(rec.folded.collapsed, "the report did not fold with a node right under the sampler");
+      });
+    }
+
     // 5. the ShowBadges setting ------------------------------------------------------------
     currentStage = "toggle";
     if (ran) {
@@ -628,7 +846,7 @@ async function main() {
     if (ran) {
       await stage("restore", async (rec) => {
         const saved = await page.evaluate(() => window.app.graph.serialize());
-        rec.savedProperties = (saved.nodes.find((n) => n.id === cfg.samplerId) || {}).properties;
+        rec.savedProperties = (saved.nodes.find((n) => String(n.id) === String(cfg.samplerId)) || {}).properties;
         await clearGraph();
         await page.evaluate((wf) => window.app.loadGraphData(wf, true, true, "lora-runtime-restored"), saved);
         await waitForGraph(cfg.png.expected, "the re-loaded workflow");
@@ -707,7 +925,7 @@ async function main() {
         rec.promptInputs = await page.evaluate(async (id) => {
           const p = await window.app.graphToPrompt();
           return { inputs: Object.keys(p.output[String(id)].inputs),
-            widgetsValues: p.workflow.nodes.find((n) => n.id === id).widgets_values };
+            widgetsValues: p.workflow.nodes.find((n) => String(n.id) === String(id)).widgets_values };
         }, cfg.samplerId);
         await shot("vue_nodes_report_after_run");
         rec.offValue = await setSetting(SETTING, false);
@@ -730,8 +948,56 @@ async function main() {
         rec.sampler = await reportState(cfg.samplerId);
         rec.adapter = await reportState(cfg.adapterId);
         await shot("classic_canvas_again");
+        // for the record (not asserted): the sizes the Vue renderer left on the LiteGraph nodes
+        rec.layout = await layoutSnapshot();
+        rec.overlaps = overlaps(rec.layout);
       });
     }
+    // 9. ComfyUI's own KSampler with our adapter nodes, and the LoRA Runtime Report node ----------
+    currentStage = "stock";
+    if (cfg.stock) {
+      await stage("stock", async (rec) => {
+        const wf = cfg.stock.workflow;
+        await clearGraph();
+        rec.dispatch = await dropFile(wf.path, wf.name, "application/json");
+        await waitForGraph(wf.expected, `the nodes of ${wf.name}`);
+        await settle();
+        rec.problems = compareNodes(await graphSnapshot(), wf.expected);
+        ensure(!rec.problems.length, rec.problems.join("; "));
+        rec.layoutBefore = await layoutSnapshot();
+        const ids = [cfg.stock.samplerId, cfg.stock.reportId];
+        await focusNodes(Object.keys(wf.expected).map(Number), 30, 1.0);
+        rec.before = await reportState(cfg.stock.samplerId);
+        const mark = await page.evaluate(() => window.__loraIT.events.length);
+        await queueFromUi(rec);
+        rec.reportEvents = await page.evaluate(
+          (a) => window.__loraIT.events.slice(a.m).filter((e) => e.type === "lora_runtime.report"),
+          { m: mark });
+        rec.sampler = await waitForReport(cfg.stock.samplerId, "the KSampler's report widget");
+        rec.report = await waitForReport(cfg.stock.reportId, "the LoRA Runtime Report node's report widget");
+        await focusNodes(Object.keys(wf.expected).map(Number), 30, 1.0);
+        await shot("stock_ksampler_report_after_run");
+        rec.layout = await layoutSnapshot();
+        rec.overlaps = overlaps(rec.layout);
+        rec.promptInputs = await page.evaluate(async (id) => {
+          const p = await window.app.graphToPrompt();
+          return { inputs: Object.keys(p.output[String(id)].inputs), classType: p.output[String(id)].class_type,
+            widgetsValues: p.workflow.nodes.find((n) => String(n.id) === String(id)).widgets_values };
+        }, cfg.stock.samplerId);
+        // saved and loaded again: the stock node shows the report from its properties
+        const saved = await page.evaluate(() => window.app.graph.serialize());
+        rec.savedProperties = (saved.nodes.find((n) => String(n.id) === String(cfg.stock.samplerId)) || {}).properties;
+        await clearGraph();
+        await page.evaluate((w) => window.app.loadGraphData(w, true, true, "lora-runtime-stock-restored"), saved);
+        await waitForGraph(wf.expected, "the re-loaded stock workflow");
+        await focusNodes(ids, 30, 1.0);
+        rec.restored = await waitForReport(cfg.stock.samplerId, "the KSampler's restored report widget");
+        await shot("stock_ksampler_report_restored");
+        ensure(rec.sampler.visible, "the KSampler's report is not visible");
+        ensure(rec.report.visible, "the report node's report is not visible");
+      });
+    }
+
     currentStage = "end";
     results.finished = true;
   } finally {
