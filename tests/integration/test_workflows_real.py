@@ -487,35 +487,12 @@ def test_report_has_coverage_for_an_adapter_in_a_subfolder(assets, cond_class):
 # ---------------------------------------------------------------------------
 # (e2) bad adapter files: refused by /prompt (HTTP 400 node_errors) from the header alone
 # ---------------------------------------------------------------------------
-def _write_bad_files(loras):
-    import json as _json
-    import struct
-    from safetensors.torch import save_file
-    torch.save({"x": torch.zeros(1)}, loras / "zz_pickled.safetensors")
-    (loras / "zz_empty.safetensors").write_bytes(b"")
-    (loras / "zz_notes.safetensors").write_text("this is a text file, not an adapter\n")
-    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "zz_whole.safetensors"))
-    data = (loras / "zz_whole.safetensors").read_bytes()
-    (loras / "zz_truncated.safetensors").write_bytes(data[: len(data) - 16])
-    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "zz_nan_alpha.safetensors"), metadata={"adapter_config": _json.dumps({"lora_alpha": float("nan"), "r": 2})})
-    save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / "zz_checkpoint.safetensors"))
-    hdr = _json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    (loras / "zz_bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
+from bad_adapter_files import EXPECTED, write_bad_files  # noqa: E402
 
 
-@pytest.mark.parametrize("name,message", [
-    ("zz_pickled.safetensors", "not opened"),
-    ("zz_empty.safetensors", "too short"),
-    ("zz_notes.safetensors", "no valid safetensors header"),
-    ("zz_truncated.safetensors", "truncated"),
-    ("zz_nan_alpha.safetensors", "not a finite number"),
-    ("zz_checkpoint.safetensors", "no LoRA weights"),
-    ("zz_bad_json.safetensors", "not valid JSON"),
-])
+@pytest.mark.parametrize("name,message", [("zz_" + k, v) for k, v in EXPECTED.items()])
 def test_bad_adapter_file_is_http_400_naming_our_node(assets, cond_class, name, message):
-    _write_bad_files(assets.loras_dir)
+    write_bad_files(assets.loras_dir, prefix="zz_")
     prompt = build_prompt(cond_class, [(name, 1.0)], "dynamic", "exact")
     status, answer = assets.post_prompt(prompt)
     assert status == 400, (status, answer)

@@ -14,6 +14,7 @@ from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
 from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
+from bad_adapter_files import EXPECTED, write_bad_files
 from _nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  # noqa: F401
 
 
@@ -143,36 +144,11 @@ def test_validation_errors_in_comfyui_shape(folders, node, inp, value, etype, te
     assert text in e["details"] + e["message"]
 
 
-def _bad_files(loras):
-    import json
-    import struct
-    from safetensors.torch import save_file
-    (loras / "empty.safetensors").write_bytes(b"")
-    (loras / "notes.safetensors").write_text("this is a text file, not an adapter\n")
-    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "whole.safetensors"))
-    data = (loras / "whole.safetensors").read_bytes()
-    (loras / "truncated.safetensors").write_bytes(data[: len(data) - 16])
-    save_file({"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)},
-              str(loras / "nan_alpha.safetensors"), metadata={"adapter_config": json.dumps({"lora_alpha": float("nan"), "r": 2})})
-    save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / "checkpoint.safetensors"))
-    hdr = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    (loras / "bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
-
-
-@pytest.mark.parametrize("name,message", [
-    ("pickled.safetensors", "not opened"),
-    ("empty.safetensors", "too short"),
-    ("notes.safetensors", "no valid safetensors header"),
-    ("truncated.safetensors", "truncated"),
-    ("nan_alpha.safetensors", "not a finite number"),
-    ("checkpoint.safetensors", "no LoRA weights"),
-    ("bad_json.safetensors", "not valid JSON"),
-])
+@pytest.mark.parametrize("name,message", list(EXPECTED.items()))
 def test_bad_files_fail_validation_naming_the_node(folders, models_dir, name, message):
     """What the header tells is refused when the prompt is queued (ComfyUI: HTTP 400
     node_errors), before anything runs; a pickle is never opened."""
-    _bad_files(models_dir / "loras")
+    write_bad_files(models_dir / "loras")
     with pytest.raises(PromptValidationError) as ei:
         execute_prompt(_prompt(lora=name), CLASSES, folders=folders)
     errs = ei.value.node_errors

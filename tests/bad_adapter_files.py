@@ -1,0 +1,33 @@
+"""Every kind of bad adapter file a user has, written on demand, with the words the
+refusal must contain. Shared by the bundled-host and the real-ComfyUI validation tests."""
+import json
+import struct
+
+import torch
+from safetensors.torch import save_file
+
+# file name (without prefix) -> what the validation message must say
+EXPECTED = {
+    "pickled.safetensors": "not opened",
+    "empty.safetensors": "too short",
+    "notes.safetensors": "no valid safetensors header",
+    "truncated.safetensors": "truncated",
+    "nan_alpha.safetensors": "not a finite number",
+    "checkpoint.safetensors": "no LoRA weights",
+    "bad_json.safetensors": "not valid JSON",
+}
+
+
+def write_bad_files(loras, prefix: str = "") -> None:
+    lora = {"a.lora_down.weight": torch.zeros(2, 8), "a.lora_up.weight": torch.zeros(8, 2)}
+    torch.save({"x": torch.zeros(1)}, loras / f"{prefix}pickled.safetensors")  # a zip pickle; never opened
+    (loras / f"{prefix}empty.safetensors").write_bytes(b"")
+    (loras / f"{prefix}notes.safetensors").write_text("this is a text file, not an adapter\n")
+    save_file(lora, str(loras / f"{prefix}whole.safetensors"))
+    data = (loras / f"{prefix}whole.safetensors").read_bytes()
+    (loras / f"{prefix}truncated.safetensors").write_bytes(data[: len(data) - 16])
+    save_file(lora, str(loras / f"{prefix}nan_alpha.safetensors"),
+              metadata={"adapter_config": json.dumps({"lora_alpha": float("nan"), "r": 2})})
+    save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / f"{prefix}checkpoint.safetensors"))
+    hdr = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (loras / f"{prefix}bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
