@@ -39,11 +39,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _lora_assets import BLOCKS, _wan_modules, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save_file
 
 MODEL = "tiny_wan_d128_l2.safetensors"
-DIM, FFN, BLOCKS = 128, 512, 2
 LORA_A = "it_style_a.safetensors"     # the style adapter test_workflows_real.py writes (rank 4, alpha 4, fp32)
 LORA_B = "it/it_style_b.safetensors"  # rank 8, alpha 4, bf16, in a subfolder (same as there)
 LORA_PART = "it_any_comfy_part.safetensors"  # 5 of the 20 layers: ComfyUI's LoRA overlaps ours only there
@@ -63,33 +62,6 @@ _counter = itertools.count()
 # ---------------------------------------------------------------------------
 # assets (the same files test_workflows_real.py writes; written again here so the file runs alone)
 # ---------------------------------------------------------------------------
-def _wan_modules():
-    for b in range(BLOCKS):
-        for attn in ("self_attn", "cross_attn"):
-            for p in ("q", "k", "v", "o"):
-                yield f"blocks.{b}.{attn}.{p}", DIM, DIM
-        yield f"blocks.{b}.ffn.0", DIM, FFN
-        yield f"blocks.{b}.ffn.2", FFN, DIM
-
-
-def write_kohya_lora(path, *, seed, rank, alpha, up_scale=0.5, dtype=torch.float32, modules=None):
-    """Same generator as test_workflows_real.write_kohya_lora (same seed -> same tensors)."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, fan_in, fan_out in (modules or _wan_modules()):
-        down = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
-        up = torch.randn(fan_out, rank, generator=g) * (up_scale * math.sqrt(rank) / alpha)
-        sd[f"diffusion_model.{name}.lora_down.weight"] = down.to(dtype)
-        sd[f"diffusion_model.{name}.lora_up.weight"] = up.to(dtype)
-        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(alpha))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for pad in range(512):  # keep the header length's low byte off 0x80 (see test_workflows_real)
-        save_file(sd, str(path), metadata={"written_by": "comfyui-lora-runtime integration tests", "pad": "x" * pad})
-        if path.read_bytes()[0] != 0x80:
-            return
-    raise AssertionError("could not steer the safetensors header length")
-
-
 @pytest.fixture(scope="module")
 def assets(comfy, reference):
     shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
