@@ -11,6 +11,9 @@ functions, so node code never cares which host runs it:
 - `InterruptProcessingException`: what an interrupt raises through sampling;
 - `add_sampler_wrapper(model, key, fn)`, `get_sampler_wrappers(model, key)`: the
   patcher's SAMPLER_SAMPLE wrapper hook (nodes/lifecycle.py rides on it);
+- `add_model_call_wrapper(model, key, fn)`, `get_model_call_wrappers(model, key)`: the
+  patcher's APPLY_MODEL wrapper hook, once per model call, whose transformer_options
+  carry that call's ``sigmas`` and ``cond_or_uncond`` (strength schedules, branches);
 - `send_report(report)`: a runtime report for the node that is executing (the web
   extension shows it on that node; the bundled host hands it to its listeners).
 """
@@ -31,11 +34,11 @@ REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
     from .comfy_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
-                             get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
+                             add_model_call_wrapper, get_model_call_wrappers, get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
                              send_report)
     NAME = "comfyui"
 else:
     from .bundled_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
-                               get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names,
+                               add_model_call_wrapper, get_model_call_wrappers, get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names,
                                scheduler_names, send_report)
     NAME = "bundled"

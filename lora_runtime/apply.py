@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -26,6 +26,7 @@ from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, ma
 from .errors import LoraRuntimeError, NonFiniteMergeError
 from .policy import DecisionCache, MergeDecision, decide
 from .runtime_context import runtime_context
+from .schedule import Branch, Schedule, parse_branch, varies
 from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
 from .wrapper import LoraLinear, attached_wrapper
 
@@ -41,6 +42,14 @@ class AdapterSpec:
     name: str | None = None
     enabled: bool = True
     lenient: bool = False   # apply what matches and list the skipped keys, instead of failing
+    # strength over the steps and per CFG branch (see `schedule`): dynamic path only
+    schedule: Schedule | None = None
+    branch: str = Branch.BOTH.value
+
+    @property
+    def varies(self) -> str:
+        """Why this adapter's strength is not constant over the run ('' when it is)."""
+        return varies(self.schedule, self.branch)
 
 
 @dataclass
@@ -76,6 +85,13 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
     used: set[str] = set()
     for spec in specs:
         check_strength(spec.strength, what=f"strength of {os.path.basename(spec.path)}")
+        branch = parse_branch(spec.branch, where=f"adapter {os.path.basename(spec.path)}")
+        c = spec.schedule.constant() if spec.schedule is not None else None
+        if c is not None and c != 1.0 and branch is Branch.BOTH:
+            # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
+            # runs through the scheduled path, where a unit factor is never multiplied
+            spec = replace(spec, strength=check_strength(spec.strength * c, what=(
+                f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
         adapter = loader(spec.path)
         name = spec.name or adapter.name
         base, k = name, 2
@@ -180,7 +196,9 @@ class LoraInjector:
                     w.add_adapter(pa.name, la, pa.spec.strength, pa.spec.enabled, content_hash=pa.adapter.content_hash)
             w._invalidate()
         wrappers = [self.wrappers[n] for n in wanted]
-        decision = decide(p.mode, wrappers, cache, [pa.name for pa in p.adapters]) if wrappers else None
+        varying = {pa.name: pa.spec.varies for pa in p.adapters if pa.spec.varies}
+        decision = decide(p.mode, wrappers, cache, [pa.name for pa in p.adapters],
+                          varying=varying) if wrappers else None
         if decision is not None and decision.merged_adapters():
             merge = decision.merged_adapters()
             self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic
@@ -191,7 +209,10 @@ class LoraInjector:
             coverage=[pa.coverage for pa in p.adapters],
             adapters=[{"name": pa.name, "path": pa.spec.path, "strength": pa.spec.strength,
                        "enabled": pa.spec.enabled, "format": pa.adapter.format,
-                       "layers": len(pa.layers)} for pa in p.adapters],
+                       "layers": len(pa.layers),
+                       **({"schedule": pa.spec.schedule.describe()} if pa.spec.schedule is not None else {}),
+                       **({"branch": parse_branch(pa.spec.branch).value}
+                          if parse_branch(pa.spec.branch) is not Branch.BOTH else {})} for pa in p.adapters],
             layers_wrapped=len(self.wrappers),
             restore_bytes=sum(w.restore_bytes for w in self.wrappers.values()),
             merged_weight_bytes=sum(w.weight.numel() * w.weight.element_size()

@@ -15,6 +15,9 @@ names in plan order, which is merge order):
   writing nothing. Above AUTO_MERGE_MAX_ROUNDING_LOSS it stays dynamic, else it
   merges. A set-wide share would let a large style update hide a sub-ulp distilled
   one, which the merge then rounds away; per adapter it cannot.
+- An adapter whose strength changes over the steps or per CFG branch (`varying`, see
+  `schedule`) stays dynamic in ``auto`` (the reason says why) and is refused by ``merge``:
+  a merge would have to be redone at every change.
 - In every mode, layers the host refuses (`LoraLinear.merge_refusal`) stay dynamic for
   every adapter (`kept_dynamic`).
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import MergeRefusedError, NonFiniteMergeError
+from .errors import ConfigError, MergeRefusedError, NonFiniteMergeError
 from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from .wrapper import LoraLinear, mergeable
 
@@ -184,8 +187,11 @@ def _summary(mode: MergeMode, adapters: list[AdapterDecision], n: int, soft: dic
 
 
 def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | None = None,
-           order: list[str] | None = None) -> MergeDecision:
+           order: list[str] | None = None, varying: dict[str, str] | None = None) -> MergeDecision:
+    """`varying`: adapter name -> why its strength changes over the run or per branch
+    (`schedule.varies`); such adapters stay dynamic in auto and are refused by merge."""
     n = len(wrappers)
+    varying = varying or {}
     if order is None:  # every adapter on these layers, in first-seen order
         order = list(dict.fromkeys(name for w in wrappers for name in w.slots))
     counts = {name: sum(1 for w in wrappers if _slot(w, name) is not None) for name in order}
@@ -206,6 +212,12 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     rest = [w for w in wrappers if w.layer_name not in soft]
     refused = [(w.layer_name, why) for w in rest for ok, why in [mergeable(w)] if not ok]
     if mode is MergeMode.MERGE:
+        for name in names:
+            if name in varying:
+                raise ConfigError(
+                    f"merge mode 'merge' cannot fold adapter {name!r} into the weights: "
+                    f"{varying[name].removeprefix('stays unmerged: ')}. Use merge mode 'auto' (keeps it dynamic, "
+                    "merges the others) or 'dynamic', or clear its strength_schedule / set its branch to 'both'")
         if refused:
             name, why = refused[0]
             raise MergeRefusedError(
@@ -240,6 +252,9 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     merged_keys: list[tuple] = []
     all_cached = True
     for name in names:
+        if name in varying:  # a merge cannot follow a strength that changes per step or per branch
+            decisions.append(AdapterDecision(name, "dynamic", None, varying[name], counts[name]))
+            continue
         key = (_adapter_key(rest, name), tuple(merged_keys))
         if not key[0]:  # this adapter only touches layers the host keeps dynamic
             decisions.append(AdapterDecision(name, "dynamic", None, "all its layers stay dynamic", counts[name]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..lora_runtime import AdapterSpec
+from ..lora_runtime.schedule import parse_schedule
 from ..lora_runtime.settings import DEFAULT_MERGE_MODE, DEFAULT_TIER, MergeMode, Tier
 
 KEY = "lora_runtime"
@@ -22,9 +23,13 @@ class AdapterIntent:
     path: str       # resolved absolute path
     strength: float
     lenient: bool = False  # "skip and report" keys that match nothing, instead of failing
+    schedule: str = ""     # strength_schedule as typed (validated by the node; see lora_runtime.schedule)
+    branch: str = "both"   # which CFG branch the adapter applies to
 
     def spec(self) -> AdapterSpec:
-        return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient)
+        return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient,
+                           schedule=parse_schedule(self.schedule, where=f"Load LoRA Adapter ({self.name})"),
+                           branch=self.branch)
 
 
 @dataclass(frozen=True)

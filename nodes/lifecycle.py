@@ -35,6 +35,7 @@ import time
 
 from .. import host
 from ..lora_runtime import applied, plan
+from ..lora_runtime.schedule import SamplingSchedules, model_call_context, sampling_schedules
 from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for
@@ -53,6 +54,8 @@ def register(patcher) -> None:
     """Make every sampling of `patcher` (and of its later clones) run the LoRA runtime."""
     if not is_registered(patcher):
         host.add_sampler_wrapper(patcher, WRAPPER_KEY, sampler_sample_wrapper)
+    if not host.get_model_call_wrappers(patcher, WRAPPER_KEY):
+        host.add_model_call_wrapper(patcher, WRAPPER_KEY, apply_model_wrapper)
 
 
 def last_report(patcher) -> dict | None:
@@ -91,15 +94,44 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     dm = patcher.get_model_object("diffusion_model")
     p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
+    schedules = _schedules(p, sigmas, patcher)  # a malformed schedule fails here, before anything is applied
     t0 = time.perf_counter()
-    with applied(dm, p, cache=decision_cache_for(dm)) as applied_report:
+    with applied(dm, p, cache=decision_cache_for(dm)) as applied_report, sampling_schedules(schedules):
         t_sample = time.perf_counter()
         out = executor(*args, **kwargs)
         sample_seconds = time.perf_counter() - t_sample
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
-                         host=host.NAME, sample_seconds=sample_seconds, steps=steps)
+                         host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules)
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))
     host.send_report(r)
     return out
+
+
+def _schedules(p, sigmas, patcher) -> SamplingSchedules | None:
+    """The strength schedules / branches of the planned adapters against this run's sigmas, or
+    None when every adapter has a constant strength on both branches."""
+    entries = {pa.name: (pa.spec.schedule, pa.spec.branch) for pa in p.adapters
+               if pa.spec.schedule is not None or pa.spec.branch != "both"}
+    if not entries:
+        return None
+    try:
+        ms = patcher.get_model_object("model_sampling")
+    except AttributeError:
+        ms = None
+    return SamplingSchedules(entries, sigmas, getattr(ms, "percent_to_sigma", None),
+                             where={pa.name: f"Load LoRA Adapter {pa.spec.name or pa.name!r}" for pa in p.adapters})
+
+
+def apply_model_wrapper(executor, *args, **kwargs):
+    """APPLY_MODEL wrapper: args = (x, t, c_concat, c_crossattn, control, transformer_options), once per
+    model call. Inside a sampling with schedules, sets this call's per-adapter factors from the call's
+    sigma (``transformer_options["sigmas"]``, else `t`) and batch layout (``["cond_or_uncond"]``)."""
+    opts = args[5] if len(args) > 5 else kwargs.get("transformer_options") or {}
+    sigma = opts.get("sigmas") if isinstance(opts, dict) else None
+    if sigma is None and len(args) > 1:
+        sigma = args[1]
+    cond_or_uncond = opts.get("cond_or_uncond") if isinstance(opts, dict) else None
+    with model_call_context(args[0], sigma, cond_or_uncond):
+        return executor(*args, **kwargs)

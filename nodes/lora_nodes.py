@@ -17,6 +17,7 @@ import time
 from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
 from ..lora_runtime.adapter import check_adapter_file
+from ..lora_runtime.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
 from . import intent, lifecycle, report
 from .caches import ADAPTERS
@@ -43,6 +44,17 @@ class LoadLoraAdapter:
                 "tooltip": "error: a key of the file that this model has no layer for stops the run (nothing is "
                            "dropped silently); skip and report: apply the rest and list the skipped keys on the "
                            "report."}),
+            "strength_schedule": ("STRING", {
+                "default": "", "multiline": False,
+                "tooltip": "Optional strength multiplier over the denoising, applied at run time (never re-merged). "
+                           "Empty: constant. One value per step: '1, 1, 1, 1, 0, 0, 0, 0' (as many values as the "
+                           "sampler's steps). Keyframes over the denoising percentage, ComfyUI's start_percent "
+                           "convention: '0:1, 0.5:0' (percent:multiplier, percents increasing; each holds until "
+                           "the next). A schedule that changes keeps the adapter dynamic."}),
+            "branch": (list(BRANCH_CHOICES), {
+                "default": BRANCH_CHOICES[0],
+                "tooltip": "Which guidance branch the adapter acts on: both, the positive (cond) rows only, or "
+                           "the negative (uncond) rows only of each CFG batch. Other than both keeps it dynamic."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -52,7 +64,7 @@ class LoadLoraAdapter:
     DESCRIPTION = "Adds a LoRA adapter to the model. Chain several to stack adapters."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, lora_name):
+    def VALIDATE_INPUTS(cls, lora_name, strength_schedule="", branch=BRANCH_CHOICES[0]):
         # Checked when the prompt is queued (ComfyUI answers HTTP 400 with node_errors):
         # the name, and everything the file's header tells (not safetensors / pickle,
         # truncated, no LoRA key, a non-finite alpha in its metadata). Layers matched
@@ -63,11 +75,22 @@ class LoadLoraAdapter:
         except (ValueError, FileNotFoundError) as e:
             return str(e)
         problem = check_adapter_file(path)
-        return problem or True
+        if problem:
+            return problem
+        try:  # the schedule's own form (its length against the steps is checked when sampling starts)
+            parse_schedule(strength_schedule, where=f"Load LoRA Adapter ({lora_name})")
+            parse_branch(branch, where=f"Load LoRA Adapter ({lora_name})")
+        except LoraRuntimeError as e:
+            return str(e)
+        return True
 
-    def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0]):
+    def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0], strength_schedule="",
+             branch=BRANCH_CHOICES[0]):
         if unmatched_keys not in UNMATCHED_CHOICES:
             raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")
+        where = f"Load LoRA Adapter ({lora_name})"
+        schedule = parse_schedule(strength_schedule, where=where)  # a malformed schedule stops the run here
+        branch = parse_branch(branch, where=where).value
         lenient = unmatched_keys == UNMATCHED_CHOICES[1]
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
@@ -75,7 +98,7 @@ class LoadLoraAdapter:
         _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
                                     log_coverage=False)  # no match raises here
         entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
-                                     lenient)
+                                     lenient, schedule.text if schedule is not None else "", branch)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
 

@@ -5,7 +5,7 @@ from ..lora_runtime import ApplyReport
 
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
-          steps: int) -> dict:
+          steps: int, schedules=None) -> dict:
     d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
                                                       "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
     coverage = {c["adapter"]: c for c in d["coverage"]}
@@ -16,6 +16,8 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         entry = {**a, "coverage": c}
         if a["name"] in per_adapter:  # each adapter's own merge decision (auto decides per adapter)
             entry["decision"] = per_adapter[a["name"]]
+        if schedules is not None and a["name"] in schedules.entries:  # what the model calls really used
+            entry["schedule_applied"] = schedules.applied(a["name"])
         adapters.append(entry)
     mounted = [f for f in d["fusions"] if f.get("fusions")]
     skipped = [f for f in d["fusions"] if not f.get("fusions")]
@@ -51,6 +53,10 @@ def text(r: dict) -> str:
                      + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
                      + (f"; {ad['chosen']}" if ad.get("chosen") else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
+        if a.get("schedule") or a.get("branch"):
+            lines.append("    " + "; ".join(x for x in (a.get("schedule"), a.get("branch") and f"{a['branch']} branch",
+                                                       a.get("schedule_applied") and
+                                                       f"applied: {a['schedule_applied']}") if x))
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))

@@ -18,7 +18,8 @@ from . import folder_paths
 # the weight dtype: a per-run option (options.using, execute_prompt(unet_dtype=...)),
 # $LORA_RUNTIME_UNET_DTYPE only its default; re-exported here
 from .options import UNET_DTYPE_ENV, unet_dtype  # noqa: F401
-from .model_patcher import SAMPLER_SAMPLE, BundledModel, BundledModelPatcher, ModelSamplingFlow, run_wrapped
+from .model_patcher import (APPLY_MODEL, SAMPLER_SAMPLE, BundledModel, BundledModelPatcher, ModelSamplingFlow,
+                            run_wrapped)
 from .png_metadata import save_png
 from .progress import ProgressBar, throw_exception_if_processing_interrupted
 
@@ -178,7 +179,9 @@ def sample_with_progress(model: BundledModelPatcher, *, seed, steps, cfg, sample
         return _sampling().ksampler(
             model.get_model_object("diffusion_model"), seed=seed, steps=steps, cfg=cfg,
             sampler_name=sampler_name, scheduler=scheduler, positive=positive, negative=negative,
-            latent=latent_image, denoise=denoise, shift=shift, callback=cb)
+            latent=latent_image, denoise=denoise, shift=shift, callback=cb,
+            model_call_wrappers=model.get_all_wrappers(APPLY_MODEL),
+            transformer_options=dict(extra_args["model_options"].get("transformer_options") or {}))
 
     sigmas = _sampling().flow_sigmas(steps, scheduler, shift=shift, denoise=denoise)
     with torch.no_grad():

@@ -27,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SAMPLER_SAMPLE = "sampler_sample"  # comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+APPLY_MODEL = "apply_model"        # comfy.patcher_extension.WrappersMP.APPLY_MODEL (once per model call)
 
 
 class WrapperExecutor:
@@ -52,6 +53,16 @@ class ModelSamplingFlow:
     model timestep = sigma * multiplier. Wan 2.1 T2V defaults to shift 8.0."""
     shift: float = 8.0
     multiplier: float = 1000.0
+
+    def percent_to_sigma(self, percent: float) -> float:
+        """ComfyUI's start_percent convention for flow models: 0 -> 1.0, 1 -> 0.0, else the
+        shifted sigma of timestep 1 - percent."""
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        t = 1.0 - percent
+        return self.shift * t / (1 + (self.shift - 1) * t) if self.shift != 1.0 else t
 
     def __post_init__(self):
         if not self.shift >= 0.0:

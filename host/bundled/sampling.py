@@ -227,43 +227,75 @@ def _expand_context(ctx: torch.Tensor, batch: int) -> torch.Tensor:
     return ctx.repeat(batch // ctx.shape[0], 1, 1)
 
 
-def _denoise_rows(model_fn: ModelFn, x: torch.Tensor, sigma: torch.Tensor, contexts: list[torch.Tensor]) -> list[torch.Tensor]:
+def _denoise_rows(model_fn: ModelFn, x: torch.Tensor, sigma: torch.Tensor, contexts: list[torch.Tensor],
+                  call=None, cond_or_uncond: Sequence[int] = (0,)) -> list[torch.Tensor]:
     """One model call on the row-stacked contexts; returns denoised per context.
 
     x: [B, ...]; sigma: 0-d; each context [B, L, C] (same L) -> list of [B, ...].
+    `call`: the APPLY_MODEL chain (see `_model_call`), told the chunks' `cond_or_uncond`.
     """
     n = len(contexts)
     b = x.shape[0]
     x_in = torch.cat([x] * n) if n > 1 else x  # [n*B, ...]
     sig = sigma.reshape(1).expand(n * b)  # [n*B]
-    timestep = sig * 1000  # float32, what the DiT receives
-    out = model_fn(x_in, timestep, torch.cat(contexts) if n > 1 else contexts[0]).float()
+    context = torch.cat(contexts) if n > 1 else contexts[0]
+    if call is not None:
+        out = call(x_in, sig, context, list(cond_or_uncond)).float()
+    else:
+        timestep = sig * 1000  # float32, what the DiT receives
+        out = model_fn(x_in, timestep, context).float()
     denoised = x_in - out * sig.view(-1, *([1] * (out.ndim - 1)))
     return list(denoised.chunk(n)) if n > 1 else [denoised]
 
 
-def _guided_denoise(model_fn, x, sigma, pos, neg, cfg) -> torch.Tensor:
+def _guided_denoise(model_fn, x, sigma, pos, neg, cfg, call=None) -> torch.Tensor:
     """CFG-combined denoised prediction at one sigma (ComfyUI's sampling_function)."""
     if neg is None:
-        return _denoise_rows(model_fn, x, sigma, [pos])[0]
-    if pos.shape[1:] == neg.shape[1:]:
-        uncond, cond = _denoise_rows(model_fn, x, sigma, [neg, pos])  # rows: negative, positive
+        return _denoise_rows(model_fn, x, sigma, [pos], call, (COND,))[0]
+    if pos.shape[1:] == neg.shape[1:]:  # rows: negative, positive
+        uncond, cond = _denoise_rows(model_fn, x, sigma, [neg, pos], call, (UNCOND, COND))
     else:
-        cond = _denoise_rows(model_fn, x, sigma, [pos])[0]
-        uncond = _denoise_rows(model_fn, x, sigma, [neg])[0]
+        cond = _denoise_rows(model_fn, x, sigma, [pos], call, (COND,))[0]
+        uncond = _denoise_rows(model_fn, x, sigma, [neg], call, (UNCOND,))[0]
     return uncond + (cond - uncond) * cfg
+
+
+COND, UNCOND = 0, 1  # ComfyUI's transformer_options["cond_or_uncond"] values
+
+
+def _model_call(model_fn: ModelFn, wrappers: Sequence, transformer_options: dict, sample_sigmas: torch.Tensor):
+    """ComfyUI's per-call APPLY_MODEL wrapper chain around the DiT, with its calling convention
+    ``(x, t, c_concat, c_crossattn, control, transformer_options)``: `t` is the sigma per row
+    (the DiT gets ``t * 1000``), and transformer_options is a per-call copy holding
+    ``sample_sigmas``, ``sigmas`` (one chunk's sigma per row) and ``cond_or_uncond``."""
+    from .model_patcher import run_wrapped
+
+    def original(x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
+        return model_fn(x, t * 1000, c_crossattn)
+
+    def call(x, sig, context, cond_or_uncond):
+        opts = dict(transformer_options)
+        opts["sample_sigmas"] = sample_sigmas
+        opts["cond_or_uncond"] = cond_or_uncond
+        opts["sigmas"] = sig[: sig.shape[0] // len(cond_or_uncond)]
+        return run_wrapped(original, model_fn, list(wrappers), x, sig, None, context, None, opts)
+
+    return call
 
 
 @torch.no_grad()
 def sample_flow(model_fn: ModelFn, *, noise: torch.Tensor, latent: torch.Tensor, sigmas: torch.Tensor,
                 positive: torch.Tensor, negative: Optional[torch.Tensor], cfg: float,
-                sampler_name: str = "euler", callback: Optional[StepCallback] = None) -> torch.Tensor:
+                sampler_name: str = "euler", callback: Optional[StepCallback] = None,
+                model_call_wrappers: Sequence = (), transformer_options: Optional[dict] = None) -> torch.Tensor:
     """Run the KSampler loop for a flow (CONST) model; returns model-space latents.
 
     noise, latent: [B, C, T, H, W] (latent in model space, zeros for text-to-video);
     sigmas: float32 [steps + 1]; positive/negative: contexts [1 or B, L, C].
     ``callback(i, total_steps, x)`` runs once per step after the model call and
     before the Euler update (where ComfyUI calls its callback); exceptions propagate.
+    ``model_call_wrappers``: APPLY_MODEL wrappers run around every model call (ComfyUI's
+    convention, see `_model_call`); none: the DiT is called directly.
     """
     if sampler_name not in SAMPLER_NAMES:
         raise ValueError(f"unsupported sampler {sampler_name!r}; supported: {SAMPLER_NAMES}")
@@ -279,11 +311,13 @@ def sample_flow(model_fn: ModelFn, *, noise: torch.Tensor, latent: torch.Tensor,
         raise ValueError("cfg != 1 needs a negative conditioning")
     neg = _expand_context(negative.to(noise.device), b) if use_neg else None
 
+    call = _model_call(model_fn, model_call_wrappers, transformer_options or {}, sigmas) \
+        if model_call_wrappers else None
     x = sigmas[0] * noise + (1.0 - sigmas[0]) * latent  # noise scaling, [B, C, T, H, W]
     total = len(sigmas) - 1
     for i in range(total):
         sigma = sigmas[i]
-        denoised = _guided_denoise(model_fn, x, sigma, pos, neg, cfg)
+        denoised = _guided_denoise(model_fn, x, sigma, pos, neg, cfg, call)
         if callback is not None:
             callback(i, total, x)
         d = (x - denoised) / sigma
@@ -330,7 +364,8 @@ def _model_device(model) -> torch.device:
 
 def ksampler(model: ModelFn, *, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
              positive, negative, latent: dict, denoise: float = 1.0, shift: float = DEFAULT_SHIFT,
-             callback: Optional[StepCallback] = None) -> dict:
+             callback: Optional[StepCallback] = None, model_call_wrappers: Sequence = (),
+             transformer_options: Optional[dict] = None) -> dict:
     """ComfyUI's KSampler node for Wan 2.1 T2V; returns a LATENT dict (VAE space)."""
     if "noise_mask" in latent:
         raise NotImplementedError("LATENT noise_mask (inpainting) is not supported by the bundled sampler")
@@ -347,7 +382,8 @@ def ksampler(model: ModelFn, *, seed: int, steps: int, cfg: float, sampler_name:
     x = sample_flow(model, noise=noise, latent=model_latent, sigmas=sigmas,
                     positive=_context_of(positive, "positive"),
                     negative=_context_of(negative, "negative") if not math.isclose(cfg, 1.0) else None,
-                    cfg=cfg, sampler_name=sampler_name, callback=callback)
+                    cfg=cfg, sampler_name=sampler_name, callback=callback,
+                    model_call_wrappers=model_call_wrappers, transformer_options=transformer_options)
     out = dict(latent)
     out["samples"] = latent_format.process_out(x.to(torch.float32)).cpu()
     return out
