@@ -176,7 +176,11 @@ class SamplingSchedules:
                 if percent_to_sigma is None:
                     raise ConfigError(f"{where.get(name, 'Load LoRA Adapter')} ({name}): keyframes need the model's "
                                       "percent_to_sigma, which this model does not have; use a per-step list")
-                thresholds = [float(percent_to_sigma(p)) for p, _ in sched.keyframes]
+                # compared in float32, the dtype of the sigmas (ComfyUI compares its float start sigma
+                # with the fp32 sigma tensor, which rounds the float to fp32 first): percent 0.5 at shift 8
+                # is 0.888...89 in fp64 but the schedule's fp32 sigma 0.88888890 must still match it
+                thresholds = [float(torch.tensor(float(percent_to_sigma(p)), dtype=torch.float32))
+                              for p, _ in sched.keyframes]
             self.entries[name] = (sched, parse_branch(branch), thresholds)
         self._cache_key = None
         self._cache_val = None
