@@ -113,13 +113,14 @@ def ui_format(graph: dict, classes: dict) -> dict:
 
 
 def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", prompt="white 7", batch=4,
-              cfg=5.0, prefix="lora_runtime/embedded"):
+              cfg=5.0, prefix="lora_runtime/embedded", schedule=""):
     n = {1: ("UNETLoader", {"unet_name": "tiny_wan_glyphs.safetensors", "weight_dtype": "default"})}
     model = (1, 0)
     layout = {1: (0, 0)}
     if adapter:
         n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength,
-                                         "unmatched_keys": "error"})
+                                         "unmatched_keys": "error", "strength_schedule": schedule,
+                                         "branch": "both"})
         n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode})
         model = (3, 0)
         layout.update({2: (1, 0), 3: (2, 0)})
@@ -139,7 +140,8 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
 
 def _template(about, loader_nodes, model, clip, vae, latent, pos_text, neg_text, sampler, save, lora, extra=None):
     n = dict(loader_nodes)
-    n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0, "unmatched_keys": "error"})
+    n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0, "unmatched_keys": "error",
+                                        "strength_schedule": "", "branch": "both"})
     n[21] = ("LoraRuntimeMergeMode", {"model": (20, 0), "mode": "auto"})
     n[22] = ("LoraRuntimeQualityTier", {"model": (21, 0), "tier": "lossless"})
     n[23] = ("CLIPTextEncode", {"clip": clip, "text": pos_text})
@@ -171,6 +173,12 @@ def graphs() -> dict:
             "bf16 ulp, so auto keeps it dynamic on bf16 weights. cfg 1.", adapter="glyph_distilled_cfg.safetensors",
             cfg=1.0, prefix="lora_runtime/distilled"),
     }
+    g["embedded_distilled_first_half"] = _embedded(
+        "Embedded tiny Wan 2.1, distilled adapter on the first half of the denoising only (strength_schedule "
+        "'0:1, 0.5:0', keyframes in ComfyUI's start_percent convention), cfg 1: the strength changes at run "
+        "time with no re-merge; auto keeps the adapter dynamic because its strength varies.",
+        adapter="glyph_distilled_cfg.safetensors", cfg=1.0, prefix="lora_runtime/distilled_first_half",
+        schedule="0:1, 0.5:0")
     wan_loaders = {
         1: ("UNETLoader", {"unet_name": "wan2.1_t2v_1.3B_bf16.safetensors", "weight_dtype": "default"}),
         2: ("CLIPLoader", {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}),
