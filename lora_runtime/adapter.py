@@ -24,45 +24,146 @@ from torch import nn
 
 from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from .key_formats import candidate_names, guess_family, split_key
-from . import scale_sources
+from .param_delta import ParamDelta
+from . import scale_sources, variants
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LayerAdapter:
-    """One adapter's weights for one module. down: [r, in], up: [out, r]."""
+_LOWRANK_PARTS = ("down", "up")
+_PARAM_ONLY = frozenset({"diff", "diff_b", "diff_m", "w_norm", "b_norm"})
 
-    stem: str
-    down: torch.Tensor | None = None
-    up: torch.Tensor | None = None
-    alpha: float | None = None
-    dora_scale: torch.Tensor | None = None
-    diff: torch.Tensor | None = None      # [out, in] full weight delta
-    diff_b: torch.Tensor | None = None    # [out] output offset, never folded into the weight
-    keys: list[str] = field(default_factory=list)
-    rslora: bool = False                  # scale alpha / sqrt(rank) (PEFT use_rslora)
-    alpha_source: str = ""                # where alpha came from (scale_sources)
+
+class LayerAdapter:
+    """One adapter's update for one target, in the file's naming (``stem``).
+
+    ``variant`` (`variants.Variant`: LoRA, LoHa, LoKr, DoRA, Full, BiasOnly, Sliced)
+    answers every question the wrapper asks: weight-space delta, dynamic forward,
+    whether a fused kernel can take it. Files whose update targets a parameter
+    rather than a Linear/Conv weight (``diff_m``, ``w_norm``/``b_norm``, a ``diff`` that
+    is not a matrix) have ``variant = None`` and keep their raw ``parts``; `match_adapter`
+    turns them into parameter deltas (`ParamDelta`). ``kernel`` is the trailing kernel
+    shape of a conv (LoCon) update, flattened into the input dim of the matrices.
+
+    The keyword constructor (down / up / alpha / dora_scale / diff / diff_b) builds the
+    variant from raw tensors, as the loader does."""
+
+    def __init__(self, stem: str, down=None, up=None, alpha: float | None = None, dora_scale=None, diff=None,
+                 diff_b=None, keys=None, rslora: bool = False, alpha_source: str = "", *,
+                 parts: dict | None = None, variant: variants.Variant | None = None):
+        self.stem = stem
+        self.keys = list(keys or [])
+        self.alpha_source = alpha_source
+        raw = dict(parts or {})
+        for k, t in (("down", down), ("up", up), ("dora", dora_scale), ("diff", diff), ("diff_b", diff_b)):
+            if t is not None:
+                raw[k] = t
+        self.parts = raw
+        self.kernel: tuple[int, ...] = ()
+        self.rows: tuple[int, int] | None = None   # output-row slice of a fused weight (set by the matcher)
+        if variant is None and not self.param_like:
+            variant = variants.detect(self._matrix_parts(), alpha, stem=stem, rslora=rslora)
+        self.variant = variant
+
+    @property
+    def param_like(self) -> bool:
+        """A delta of a parameter (bare parameter, norm weight/bias), not of a matrix."""
+        names = set(self.parts) - {"alpha"}
+        if not names or not names <= _PARAM_ONLY:
+            return False
+        d = self.parts.get("diff")
+        return bool(names & {"diff_m", "w_norm", "b_norm"}) or (d is not None and d.dim() != 2)
+
+    def build_variant(self, alpha: float | None = None) -> variants.Variant:
+        """The variant of a ``diff`` kept raw at load (a conv-shaped full delta), once the
+        target turned out to be a conv weight."""
+        if self.variant is None:
+            self.variant = variants.detect(self._matrix_parts(), alpha, stem=self.stem)
+        return self.variant
+
+    def _matrix_parts(self) -> dict:
+        """Parts for `variants.detect`, conv (LoCon) factors flattened to matrices."""
+        out = dict(self.parts)
+        down, up, diff = out.get("down"), out.get("up"), out.get("diff")
+        if down is not None and down.dim() > 2:
+            self.kernel = tuple(int(k) for k in down.shape[2:])
+            out["down"] = down.reshape(down.shape[0], -1)
+            if up is not None and up.dim() > 2:
+                if any(k != 1 for k in up.shape[2:]):
+                    raise AdapterFormatError(f"{self.stem}: the up factor has a {tuple(up.shape[2:])} kernel; only "
+                                             "LoCon with a 1x1 up convolution is supported")
+                out["up"] = up.reshape(up.shape[0], up.shape[1])
+        elif up is not None and up.dim() > 2 and all(k == 1 for k in up.shape[2:]):
+            out["up"] = up.reshape(up.shape[0], up.shape[1])
+        if diff is not None and diff.dim() > 2:
+            self.kernel = tuple(int(k) for k in diff.shape[2:])
+            out["diff"] = diff.reshape(diff.shape[0], -1)
+        for k in [k for k in out if k.startswith("hada_") or k.startswith("lokr_")]:
+            t = out[k]
+            if t.dim() > 2 and all(d == 1 for d in t.shape[2:]):
+                out[k] = t.reshape(t.shape[0], t.shape[1])
+        return out
+
+    # --- read-outs (reports, cache keys, older callers) --------------------------------
+    @property
+    def kind(self) -> str:
+        return self.variant.kind if self.variant is not None else "param"
+
+    @property
+    def alpha(self) -> float | None:
+        return self.variant.alpha if self.variant is not None else None
+
+    @property
+    def inner(self):
+        v = self.variant
+        return v.inner if isinstance(v, variants.DoRA) else v
+
+    @property
+    def down(self):
+        return self.inner.down if isinstance(self.inner, variants.LoRA) else None
+
+    @property
+    def up(self):
+        return self.inner.up if isinstance(self.inner, variants.LoRA) else None
 
     @property
     def rank(self) -> int:
-        return int(self.down.shape[0]) if self.down is not None else 0
+        return self.inner.rank if isinstance(self.inner, variants.LoRA) else 0
+
+    @property
+    def rslora(self) -> bool:
+        return bool(getattr(self.inner, "rslora", False))
 
     @property
     def alpha_over_rank(self) -> float:
-        if self.down is None:
-            return 1.0
-        a = self.alpha if self.alpha is not None else float(self.rank)
-        return float(a) / (math.sqrt(self.rank) if self.rslora else float(self.rank))
+        return self.variant.scale if self.variant is not None else 1.0
 
     @property
     def has_lowrank(self) -> bool:
-        return self.down is not None and self.up is not None
+        return isinstance(self.inner, variants.LoRA)
+
+    @property
+    def dora_scale(self):
+        return self.variant.magnitude if isinstance(self.variant, variants.DoRA) else None
+
+    @property
+    def diff(self):
+        return self.variant.diff if isinstance(self.variant, variants.Full) else None
+
+    @property
+    def diff_b(self):
+        if self.variant is not None:
+            return self.variant.diff_b
+        return self.parts.get("diff_b")
 
     def nbytes(self) -> int:
-        ts = (self.down, self.up, self.dora_scale, self.diff, self.diff_b)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        if self.variant is not None:
+            return self.variant.nbytes
+        return sum(t.numel() * t.element_size() for t in self.parts.values() if isinstance(t, torch.Tensor))
+
+    def __repr__(self) -> str:
+        return f"LayerAdapter({self.stem!r}, {self.variant!r})"
 
 
 @dataclass
@@ -82,12 +183,20 @@ class LoraAdapter:
 class CoverageReport:
     adapter: str
     format: str
-    matched: list[str]                  # model module names
+    matched: list[str]                  # model targets (module or parameter names)
     unmatched: dict[str, str]           # file stem or key -> reason
     model_linears: int
     file_layers: int
     scale_source: str = ""
     notes: list[str] = field(default_factory=list)
+    applied_layers: int = -1            # file stems applied (several stems may share one fused target)
+    keys_total: int = 0                 # tensors in the file
+    keys_applied: int = 0               # tensors whose update is applied
+    kinds: dict[str, int] = field(default_factory=dict)   # variant kind -> targets
+
+    def __post_init__(self):
+        if self.applied_layers < 0:
+            self.applied_layers = len(self.matched)
 
     @property
     def partial(self) -> bool:
@@ -97,7 +206,9 @@ class CoverageReport:
         return [f"{k} ({v})" for k, v in list(self.unmatched.items())[:n]]
 
     def summary(self) -> str:
-        s = f"{self.adapter}: {len(self.matched)}/{self.file_layers} adapter layers matched ({self.format})"
+        s = f"{self.adapter}: {self.applied_layers}/{self.file_layers} adapter layers matched ({self.format})"
+        if self.keys_total:
+            s += f", {self.keys_applied}/{self.keys_total} keys applied"
         if self.unmatched:
             s += f"; {len(self.unmatched)} not loaded, e.g. " + ", ".join(self.examples(3))
         return s
@@ -106,9 +217,13 @@ class CoverageReport:
         return {
             "adapter": self.adapter,
             "format": self.format,
-            "matched": len(self.matched),
+            "matched": self.applied_layers,
             "file_layers": self.file_layers,
             "model_linears": self.model_linears,
+            "targets": len(self.matched),
+            "keys_applied": self.keys_applied,
+            "keys_total": self.keys_total,
+            "kinds": dict(self.kinds),
             "unmatched": len(self.unmatched),
             "unmatched_examples": self.examples(20),
             "scale_source": self.scale_source,
@@ -157,6 +272,10 @@ def _check_header(p: Path) -> str:
     return ""
 
 
+_SUPPORTED = ("lora_down/lora_up, lora_A/lora_B, LoHa (hada_*), LoKr (lokr_*), DoRA (dora_scale / "
+              "lora_magnitude_vector), diff, diff_b, diff_m, w_norm/b_norm")
+
+
 def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapter:
     """Read and validate an adapter file. Errors name the file and the key."""
     p = Path(path)
@@ -164,7 +283,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     tensors, meta, digest = load_safetensors(p)
     if not tensors:
         raise AdapterFormatError(f"{p.name} holds no tensors; it is not a LoRA adapter")
-    layers: dict[str, LayerAdapter] = {}
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[str, list[str]] = {}
     ignored: dict[str, str] = {}
     notes: list[str] = []
     fp8_noted = False
@@ -173,7 +293,7 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     for key, t in tensors.items():
         parts = split_key(key)
         if parts is None:
-            ignored[key] = "not a LoRA key"
+            ignored[key] = "not an adapter key"
             continue
         stem, part, slot = parts
         if slot:
@@ -189,82 +309,83 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
             t = t.to(torch.float32)
         if not torch.isfinite(t).all():
             raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — re-export the adapter")
-        la = layers.setdefault(stem, LayerAdapter(stem=stem))
-        la.keys.append(key)
-        if part == "alpha":
-            if t.numel() != 1:
-                raise AdapterFormatError(f"{p.name}: {key!r} should be a scalar alpha, got shape {tuple(t.shape)}")
-            la.alpha = float(t.float().item())
-        elif part == "dora":
-            la.dora_scale = t
-        else:
-            setattr(la, part, t)
+        if part == "alpha" and t.numel() != 1:
+            raise AdapterFormatError(f"{p.name}: {key!r} should be a scalar alpha, got shape {tuple(t.shape)}")
+        g = groups.setdefault(stem, {})
+        if part in g:
+            raise AdapterFormatError(f"{p.name}: two keys give the {part!r} tensor of {stem!r} "
+                                     f"({[k for k in keys[stem] if split_key(k)[1] == part][0]!r} and {key!r})")
+        g[part] = t
+        keys.setdefault(stem, []).append(key)
     if len(slots) > 1:
         raise AdapterFormatError(
             f"{p.name} holds several PEFT adapter slots ({', '.join(sorted(slots))}); save one adapter per file"
         )
     cfg = scale_sources.find_config(p, meta)
     counts: dict[str, int] = {}
-    for stem, la in list(layers.items()):
-        _check_layer(p.name, la)
-        if la.down is not None:
-            if la.alpha is not None:
-                la.alpha_source = "per-layer .alpha tensors"
-            elif cfg is not None:
-                a = scale_sources.pattern_value(stem, cfg.alpha_pattern)
-                la.alpha = a if a is not None else cfg.lora_alpha
-                la.alpha_source = (f"{cfg.source} alpha_pattern" if a is not None else
-                                   f"{cfg.source} lora_alpha={cfg.lora_alpha:g}" if cfg.lora_alpha is not None else
-                                   "none: alpha = rank (scale 1.0)")
-                la.rslora = cfg.use_rslora and la.alpha is not None
-                want_r = scale_sources.pattern_value(stem, cfg.rank_pattern) or cfg.r
-                if want_r is not None and want_r != la.rank:
-                    notes.append(f"{stem}: the config says rank {want_r}, the tensors have rank {la.rank}; "
-                                 "the tensors' rank is used")
-            else:
-                la.alpha_source = "none: alpha = rank (scale 1.0)"
-            counts[la.alpha_source] = counts.get(la.alpha_source, 0) + 1
-        if la.down is None and la.diff is None and la.diff_b is None:
-            for k in la.keys:
-                ignored[k] = "alpha/DoRA scale without LoRA weights"
-            del layers[stem]
+    layers: dict[str, LayerAdapter] = {}
+    for stem, parts in groups.items():
+        names = set(parts) - {"alpha"}
+        if not names or names == {"dora"}:
+            for k in keys[stem]:
+                ignored[k] = "alpha/DoRA scale without adapter weights"
+            continue
+        alpha, source, rslora = _layer_alpha(stem, parts, cfg, notes)
+        try:
+            la = LayerAdapter(stem, alpha=alpha, keys=keys[stem], rslora=rslora, alpha_source=source,
+                              parts={k: v for k, v in parts.items() if k != "alpha"})
+        except NotImplementedError as e:
+            raise AdapterFormatError(f"{p.name}: {e}. Re-export the adapter as LoRA/LoHa/LoKr, or use a loader "
+                                     "that supports this type") from None
+        except AdapterFormatError as e:
+            raise AdapterFormatError(f"{p.name}: {e}") from None
+        if la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full):
+            counts[source] = counts.get(source, 0) + 1
+        layers[stem] = la
     if not layers:
         raise AdapterFormatError(
-            f"{p.name} has no LoRA weights this loader understands (e.g. {list(tensors)[:3]}); "
-            "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b"
+            f"{p.name} has no adapter weights this loader understands (e.g. {list(tensors)[:3]}); "
+            f"supported: {_SUPPORTED}"
         )
     fmt = "+".join(sorted(formats - {"other"})) or "unknown"
     source, more = scale_sources.describe(counts, cfg, meta)
     return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more)
 
 
+def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:
+    """(alpha, where it came from, rsLoRA) for one layer, in `scale_sources`' precedence."""
+    if "alpha" in parts:
+        return float(parts["alpha"].float().item()), "per-layer .alpha tensors", False
+    lowrank = "down" in parts
+    if not lowrank and not any(k.startswith(("hada_", "lokr_")) for k in parts):
+        return None, "", False
+    if cfg is not None and lowrank:
+        a = scale_sources.pattern_value(stem, cfg.alpha_pattern)
+        alpha = a if a is not None else cfg.lora_alpha
+        source = (f"{cfg.source} alpha_pattern" if a is not None else
+                  f"{cfg.source} lora_alpha={cfg.lora_alpha:g}" if cfg.lora_alpha is not None else
+                  "none: alpha = rank (scale 1.0)")
+        rank = int(parts["down"].shape[0])
+        want_r = scale_sources.pattern_value(stem, cfg.rank_pattern) or cfg.r
+        if want_r is not None and want_r != rank:
+            notes.append(f"{stem}: the config says rank {want_r}, the tensors have rank {rank}; "
+                         "the tensors' rank is used")
+        return alpha, source, cfg.use_rslora and alpha is not None
+    return None, "none: alpha = rank (scale 1.0)", False
+
+
 def _format_of(key: str, part: str) -> str:
     if ".lora_A" in key or ".lora_B" in key or "lora_magnitude_vector" in key:
         return "peft"
+    if part.startswith("hada_"):
+        return "lycoris-loha"
+    if part.startswith("lokr_"):
+        return "lycoris-lokr"
     if "lora_down" in key or "lora_up" in key or key.endswith(".alpha") or "dora_scale" in key:
         return "kohya"
-    if part in ("diff", "diff_b"):
+    if part in ("diff", "diff_b", "diff_m", "w_norm", "b_norm"):
         return "diff"
     return "other"
-
-
-def _check_layer(fname: str, la: LayerAdapter) -> None:
-    if (la.down is None) != (la.up is None):
-        have = "down (lora_A)" if la.down is not None else "up (lora_B)"
-        raise AdapterFormatError(f"{fname}: layer {la.stem!r} has only its {have} matrix; the file is incomplete")
-    if la.down is not None:
-        if la.down.dim() != 2 or la.up.dim() != 2:
-            raise AdapterFormatError(
-                f"{fname}: layer {la.stem!r} has {la.down.dim()}-D/{la.up.dim()}-D LoRA matrices; "
-                "only Linear layers (2-D) are supported"
-            )
-        if la.down.shape[0] != la.up.shape[1]:
-            raise AdapterFormatError(
-                f"{fname}: layer {la.stem!r}: down is {tuple(la.down.shape)} and up is {tuple(la.up.shape)}; "
-                "their ranks differ"
-            )
-        if la.rank == 0:
-            raise AdapterFormatError(f"{fname}: layer {la.stem!r} has rank 0")
 
 
 # --- matching against a model ------------------------------------------------------
@@ -281,43 +402,116 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def target_kind(module: nn.Module | None) -> str:
+    """'linear', 'conv', 'norm' (a module with a 1-D weight or bias: LayerNorm, RMSNorm,
+    GroupNorm, ...) or '' (takes no adapter)."""
+    if module is None:
+        return ""
+    if getattr(module, "is_lora_wrapper", False) or isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, _CONV):
+        return "conv"
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    if (isinstance(w, torch.Tensor) and w.dim() == 1) or (w is None and isinstance(b, torch.Tensor) and b.dim() == 1):
+        return "norm"
+    return ""
+
+
 def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = False, log_coverage: bool = True
-                  ) -> tuple[dict[str, LayerAdapter], CoverageReport]:
-    """Map the adapter's layers onto the model's Linear modules.
+                  ) -> tuple[dict, CoverageReport]:
+    """Map the adapter's layers onto the model.
+
+    Returns ``(targets, report)``: ``targets`` maps a module name to its `LayerAdapter`
+    (Linear and Conv weights; several file layers on row slices of one fused weight
+    become one `variants.Sliced`), and a parameter name to a `ParamDelta` (norm weights
+    and biases, bare parameters such as Wan's ``modulation``).
 
     Every key of the file is applied or the load fails, naming the keys (``lenient``:
     the rest is applied and the skipped keys are listed on the report). A file of which
     fewer than half the layers match, or none, is an adapter for another model: always
     an error, naming the family its keys look like."""
-    linears = linear_modules(model)
-    by_underscore = {n.replace(".", "_"): n for n in linears}
     all_modules = dict(model.named_modules())
-    matched: dict[str, LayerAdapter] = {}
+    params = dict(model.named_parameters())
+    by_underscore = {n.replace(".", "_"): n for n in list(all_modules) + list(params) if n}
+    linears = linear_modules(model)
+    targets: dict = {}
+    slices: dict[str, list] = {}
     unmatched: dict[str, str] = dict(adapter.ignored_keys)
+    applied_stems: list[str] = []
     for stem, la in adapter.layers.items():
-        target = next((c for c in candidate_names(stem, by_underscore) if c in linears), None)
+        cands = candidate_names(stem, by_underscore)
+        target = next((c for c in cands if c in all_modules or c in params), None)
         if target is None:
-            other = next((c for c in candidate_names(stem, by_underscore) if c in all_modules), None)
-            unmatched[stem] = (
-                f"targets {type(all_modules[other]).__name__} {other!r}, not a Linear" if other else "no such layer in the model"
-            )
+            unmatched[stem] = "no such layer in the model"
             continue
-        if target in matched:
-            unmatched[stem] = f"second entry for {target!r}"
+        rows = la.rows
+        module = all_modules.get(target)
+        kind = target_kind(module) if module is not None else "param"
+        why = None
+        if kind in ("linear", "conv"):
+            if la.variant is None:
+                if la.param_like and kind == "conv" and set(la.parts) <= {"diff", "diff_b"}:
+                    _build(adapter, la)
+                else:
+                    why = f"a parameter delta ({', '.join(sorted(la.parts))}) on {type(module).__name__} {target!r}"
+            if why is None:
+                _check_shapes(adapter, stem, la, module, target, kind)
+                if rows is not None:
+                    slices.setdefault(target, []).append(la)
+                elif target in targets or target in slices:
+                    why = f"second entry for {target!r}"
+                else:
+                    targets[target] = la
+        elif kind in ("norm", "param"):
+            deltas = param_deltas(adapter.name, la, target, module, params)
+            if isinstance(deltas, str):
+                why = deltas
+            else:
+                for d in deltas:
+                    if d.target in targets:
+                        why = f"second entry for {d.target!r}"
+                        break
+                else:
+                    targets.update((d.target, d) for d in deltas)
+        else:
+            why = f"targets {type(module).__name__} {target!r}, which takes no adapter"
+        if why is not None:
+            unmatched[stem] = why
+        else:
+            applied_stems.append(stem)
+    for target, parts in slices.items():
+        if target in targets:
+            for la in parts:
+                unmatched[la.stem] = f"slice of {target!r}, which another key targets whole"
+                applied_stems.remove(la.stem)
             continue
-        _check_shapes(adapter, stem, la, linears[target], target)
-        matched[target] = la
-    report = CoverageReport(adapter.name, adapter.format, sorted(matched), unmatched, len(linears), len(adapter.layers),
-                            adapter.scale_source, list(adapter.notes))
+        w = all_modules[target].weight
+        sliced = variants.Sliced([(la.rows[0], la.rows[1], la.variant) for la in parts], int(w.shape[0]),
+                                 stem=target)
+        sliced.check_module(int(w.shape[0]), int(w[0].numel()))
+        targets[target] = LayerAdapter(target, variant=sliced, keys=[k for la in parts for k in la.keys],
+                                       alpha_source=parts[0].alpha_source)
+    kinds: dict[str, int] = {}
+    for t in targets.values():
+        k = t.kind if isinstance(t, LayerAdapter) else "param"
+        kinds[k] = kinds.get(k, 0) + 1
+    keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys)
+    keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
+    report = CoverageReport(adapter.name, adapter.format, sorted(targets), unmatched, len(linears), len(adapter.layers),
+                            adapter.scale_source, list(adapter.notes), applied_layers=len(applied_stems),
+                            keys_total=keys_total, keys_applied=keys_applied, kinds=kinds)
     family = guess_family(adapter.layers)
     looks = f"; its keys look like an adapter for {family}" if family else ""
-    if not matched:
+    if not applied_stems:
         raise AdapterMatchError(
             f"{adapter.name} matches no layer of this model ({len(adapter.layers)} adapter layers, e.g. "
             f"{', '.join(list(adapter.layers)[:3])}){looks}. Pick the adapter made for this model.")
-    if len(matched) < 0.5 * len(adapter.layers):
+    if len(applied_stems) < 0.5 * len(adapter.layers):
         raise AdapterMatchError(
-            f"{adapter.name}: only {len(matched)} of its {len(adapter.layers)} layers match this model "
+            f"{adapter.name}: only {len(applied_stems)} of its {len(adapter.layers)} layers match this model "
             f"(e.g. not loaded: {', '.join(report.examples(3))}){looks}. It is most likely an adapter for another "
             "model; pick the one made for this model.")
     if report.unmatched and not lenient:
@@ -330,23 +524,76 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
             log.warning("LoRA only partly matches the model: %s", report.summary())
         else:
             log.info("LoRA %s", report.summary())
-    return matched, report
+    return targets, report
 
 
-def _check_shapes(adapter: LoraAdapter, stem: str, la: LayerAdapter, module: nn.Module, target: str) -> None:
+def _build(adapter: LoraAdapter, la: LayerAdapter) -> None:
+    try:
+        la.build_variant()
+    except (AdapterFormatError, NotImplementedError) as e:
+        raise AdapterFormatError(f"{adapter.name}: {e}") from None
+
+
+def _check_shapes(adapter: LoraAdapter, stem: str, la: LayerAdapter, module: nn.Module, target: str,
+                  kind: str) -> None:
     w = module.weight
-    out_f, in_f = int(w.shape[0]), int(w.shape[1])
+    out_f = int(w.shape[0])
+    in_f = int(w[0].numel()) if kind == "conv" else int(w.shape[1])
+    if la.rows is not None:
+        a, b = la.rows
+        if not (0 <= a < b <= out_f):
+            raise AdapterFormatError(f"{adapter.name}: key {stem!r} -> rows [{a}, {b}) of {target!r}, which has "
+                                     f"{out_f} rows")
+        out_f = b - a
+    kernel = tuple(int(k) for k in w.shape[2:]) if kind == "conv" else ()
     bad = None
-    if la.down is not None and (la.down.shape[1] != in_f or la.up.shape[0] != out_f):
-        bad = f"LoRA is {la.up.shape[0]}x{la.down.shape[1]} (out x in) but the layer is {out_f}x{in_f}"
-    elif la.diff is not None and tuple(la.diff.shape) != (out_f, in_f):
-        bad = f"diff is {tuple(la.diff.shape)} but the layer weight is {(out_f, in_f)}"
-    elif la.diff_b is not None and la.diff_b.numel() != out_f:
-        bad = f"diff_b has {la.diff_b.numel()} values but the layer has {out_f} outputs"
-    elif la.dora_scale is not None and la.dora_scale.numel() not in (out_f, in_f):
-        bad = f"dora_scale has shape {tuple(la.dora_scale.shape)}; expected {out_f} or {in_f} values"
+    if la.kernel and kind != "conv":
+        bad = f"it is a convolution update (kernel {la.kernel}) but the layer is a {type(module).__name__}"
+    elif kind == "conv" and la.kernel and la.kernel != kernel:
+        bad = f"its kernel is {la.kernel} but the layer's is {kernel}"
+    elif isinstance(la.variant, variants.DoRA) and kind == "conv":
+        bad = "DoRA on a convolution is not supported"
+    if bad is None:
+        try:
+            la.variant.check_module(out_f, in_f)
+        except AdapterFormatError as e:  # "<stem>: the factors make ... (adapter made for ...)"
+            bad = str(e).split(": ", 1)[-1].replace(" (adapter made for another model or layer)", "")
     if bad:
         raise AdapterFormatError(
             f"{adapter.name}: key {stem!r} -> layer {target!r}: {bad}. The adapter was trained for a "
-            "different model size; pick the matching adapter"
+            "different model or model size; pick the matching adapter"
         )
+
+
+def param_deltas(adapter_name: str, la: LayerAdapter, target: str, module: nn.Module | None,
+                 params: dict) -> list[ParamDelta] | str:
+    """The parameter deltas of a file layer that targets a norm module or a bare
+    parameter, or the reason it cannot (a string)."""
+    parts = {k: v for k, v in la.parts.items() if k != "alpha"}
+    if not set(parts) <= _PARAM_ONLY:
+        return (f"a {la.kind} update on {type(module).__name__ if module is not None else 'parameter'} "
+                f"{target!r}, which has no matrix weight")
+    out: list[ParamDelta] = []
+    if module is None:  # a bare parameter: diff / diff_m
+        extra = set(parts) - {"diff", "diff_m"}
+        if extra or len(parts) != 1:
+            return f"parameter {target!r} takes one diff/diff_m delta, the file has {sorted(parts)}"
+        (part, t), = parts.items()
+        wanted = [(target, part, t)]
+    else:
+        wanted = []
+        for part, attr in (("diff", "weight"), ("w_norm", "weight"), ("diff_b", "bias"), ("b_norm", "bias")):
+            if part in parts:
+                wanted.append((f"{target}.{attr}" if target else attr, part, parts[part]))
+        if "diff_m" in parts:
+            return f"diff_m names a bare parameter, but {target!r} is a {type(module).__name__}"
+    for name, part, t in wanted:
+        p = params.get(name)
+        if p is None:
+            return f"{part} for {name!r}, which the model does not have"
+        if t.numel() != p.numel():
+            raise AdapterFormatError(
+                f"{adapter_name}: key {la.stem}.{part} has {tuple(t.shape)} values but {name!r} is "
+                f"{tuple(p.shape)}. The adapter was trained for a different model size; pick the matching adapter")
+        out.append(ParamDelta(la.stem, part, name, t.reshape(p.shape)))
+    return out

@@ -13,8 +13,10 @@ model's module names by `candidate_names`:
 - diffusers-named Wan (ai-toolkit, diffusers trainers): ``blocks.N.attn1.to_q`` ->
   ``blocks.N.self_attn.q``, ``ffn.net.0.proj`` -> ``ffn.0`` and the rest of
   `WAN_DIFFUSERS_TO_NATIVE`;
-- full deltas ``.diff`` (a weight delta) and ``.diff_b`` (an output offset), DoRA
-  ``.dora_scale``;
+- full deltas ``.diff`` (a weight delta) and ``.diff_b`` (an output offset or a bias
+  delta), ``.diff_m`` (a delta of a bare parameter, e.g. Wan's ``modulation``),
+  ``.w_norm`` / ``.b_norm`` (norm weight / bias deltas), DoRA ``.dora_scale``;
+- LyCORIS LoHa (``hada_w1_a`` ... ``hada_t2``) and LoKr (``lokr_w1`` ... ``lokr_t2``);
 - VideoX-Fun's kohya variant with a doubled underscore (``lora_unet__blocks_0_...``).
 
 `guess_family` names the model family a set of stems looks like, for the error when
@@ -38,7 +40,14 @@ _SUFFIXES: list[tuple[re.Pattern, str]] = [
     (re.compile(r"\.dora_scale$"), "dora"),
     (re.compile(r"\.alpha$"), "alpha"),
     (re.compile(r"\.diff_b$"), "diff_b"),
+    (re.compile(r"\.diff_m$"), "diff_m"),
     (re.compile(r"\.diff$"), "diff"),
+    (re.compile(r"\.w_norm$"), "w_norm"),
+    (re.compile(r"\.b_norm$"), "b_norm"),
+    # LyCORIS LoHa / LoKr factors: the part is the key's own name (see variants.detect)
+    (re.compile(r"\.(?P<name>hada_w[12]_[ab]|hada_t[12]|lokr_w[12](?:_[ab])?|lokr_t2)$"), "{name}"),
+    # recognised so the error names them (variants.detect refuses them with the reason)
+    (re.compile(r"\.(?P<name>lora_mid\.weight|oft_blocks|oft_diag|rescale|set_weight|reshape_weight)$"), "{name}"),
 ]
 
 # Prefixes trainers put in front of the module path; stripped repeatedly.
@@ -80,8 +89,10 @@ def split_key(key: str) -> tuple[str, str, str | None] | None:
     for pattern, part in _SUFFIXES:
         m = pattern.search(key)
         if m:
-            slot = m.groupdict().get("slot") if m.groupdict() else None
-            return key[: m.start()], part, slot
+            groups = m.groupdict()
+            if part == "{name}":
+                part = groups["name"]
+            return key[: m.start()], part, groups.get("slot")
     return None
 
 

@@ -102,7 +102,7 @@ class DecisionCache:
 
 def _slot(w: LoraLinear, name: str):
     s = w.slots.get(name)
-    return s if s is not None and s.contributes and (s.layer.has_lowrank or s.layer.diff is not None) else None
+    return s if s is not None and s.contributes and s.has_weight_delta else None
 
 
 def _adapter_key(wrappers: list[LoraLinear], name: str) -> tuple:
@@ -129,7 +129,7 @@ class _SequentialEstimate:
     def __init__(self, wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS):
         self.rows = {}
         for w in wrappers:
-            weight = w.weight.detach()
+            weight = w.weight2d.detach()
             sel = _sample_rows(weight.shape[0], weight.device, max_rows)
             self.rows[w.layer_name] = (w, sel, weight[sel].float(), weight.dtype)
 

@@ -103,7 +103,7 @@ from torch import Tensor
 from .errors import AdapterFormatError
 
 __all__ = [
-    "Variant", "LoRA", "LoHa", "LoKr", "Full", "BiasOnly", "DoRA", "detect", "classify_part",
+    "Variant", "LoRA", "LoHa", "LoKr", "Full", "BiasOnly", "DoRA", "Sliced", "detect", "classify_part",
 ]
 
 # Budget (elements) for one chunk of a dense [rows, in] block built to compute norms.
@@ -446,10 +446,12 @@ class LoHa(Variant):
     CP/Tucker (``hada_t1``/``hada_t2``): w_a [ra, out], t [ra, rb], w_b [rb, in] and
     each factor is ``w_a^T t w_b`` (ComfyUI/LyCORIS einsum ``i j, j r, i p -> p r``).
 
-    Dynamic path: a Hadamard product of two low-rank matrices has rank up to r1*r2 and
-    no cheap factorised product with x in general, so `forward_delta` builds the dense
-    delta once per (device, dtype), caches it (`cached_nbytes`, `clear_cache`) and runs
-    one F.linear.
+    Dynamic path: a Hadamard product of two rank-k factors is a rank-k1*k2 product of
+    row-wise Khatri-Rao factors (U [out, k1 k2], Z [k1 k2, in]); `forward_delta` runs
+    that pair of GEMMs when k1*k2*(out+in) < out*in, else it builds the dense delta
+    once per (device, dtype), caches it (`cached_nbytes`, `clear_cache`) and runs one
+    F.linear. Either way the cost is that of a rank-k1*k2 LoRA at most (same-parameter
+    plain LoRA has rank ~k1+k2: LoHa costs about k/2 times more per token, by design).
     """
 
     kind = "loha"
@@ -524,7 +526,40 @@ class LoHa(Variant):
         m = self._factor(1, device, ct, rows)
         return m.mul_(self._factor(2, device, ct, rows)).mul_(self.scale)
 
+    def _pair(self, i: int, device, ct) -> tuple[Tensor, Tensor]:
+        """Factor i as (left [out, k], right [k, in]); CP: left = w_a^T t, right = w_b."""
+        a = self._on(device, ct, f"w{i}a", lambda: self.w1a if i == 1 else self.w2a)
+        b = self._on(device, ct, f"w{i}b", lambda: self.w1b if i == 1 else self.w2b)
+        if not self.cp:
+            return a, b
+        t = self._on(device, ct, f"t{i}", lambda: self.t1 if i == 1 else self.t2)
+        return a.t() @ t, b
+
+    @property
+    def hadamard_rank(self) -> int:
+        """Rank of the factorised form of the update: k1 * k2."""
+        return int(self.w1b.shape[0]) * int(self.w2b.shape[0])
+
     def _forward(self, x, strength, base_out_nobias, weight) -> Tensor:
+        o, i = self.out_features, self.in_features
+        k = self.hadamard_rank
+        if k * (o + i) < o * i:
+            # (L1 R1) ⊙ (L2 R2) = U Z with U[o,(p,q)] = L1[o,p] L2[o,q] and Z[(p,q),j] = R1[p,j] R2[q,j]
+            # (row-wise Khatri-Rao products): a rank-k1*k2 LoRA, no dense [out, in] delta.
+            key = ("kr", str(x.device), x.dtype)
+            uz = self._cache.get(key)
+            if uz is None:
+                ct = _ct(x.dtype)
+                (l1, r1), (l2, r2) = self._pair(1, x.device, ct), self._pair(2, x.device, ct)
+                u = (l1.unsqueeze(2) * l2.unsqueeze(1)).reshape(o, k)
+                z = (r1.unsqueeze(1) * r2.unsqueeze(0)).reshape(k, i)
+                uz = self._cache[key] = (u.to(x.dtype).contiguous(), z.to(x.dtype).contiguous())
+            u, z = uz
+            h = F.linear(x, z)
+            c = self.scale * strength
+            if c != 1.0:
+                h = h * c
+            return F.linear(h, u)
         key = ("dense", str(x.device), x.dtype)
         d = self._cache.get(key)
         if d is None:
@@ -857,6 +892,105 @@ class DoRA(Variant):
                 d = self._remember(key, self._dora_delta(x.device, _ct(x.dtype), None, weight, None).to(x.dtype))
             y = F.linear(x, d)
         return y * strength if strength != 1.0 else y
+
+
+class Sliced(Variant):
+    """Updates on output-row slices of one fused weight (Flux ``to_q``/``to_k``/``to_v`` ->
+    ``qkv``, single-block ``proj_mlp`` -> ``linear1``, ...).
+
+    ``parts`` is a list of ``(start, stop, variant)``: each variant's update lands in
+    rows [start, stop) of the [out_features, in] weight; rows no part covers get zero.
+    Parts may not overlap. Each part keeps its own scale and its own ``diff_b`` (gathered
+    here into one [out] offset with zeros elsewhere). DoRA parts get ``weight[start:stop]``.
+    Not fusable: a LoRA-aware fused kernel takes one stacked full-width pair.
+    """
+
+    kind = "sliced"
+
+    def __init__(self, parts, out_features: int, *, stem: str = ""):
+        parts = sorted(((int(a), int(b), v) for a, b, v in parts), key=lambda p: p[0])
+        if not parts:
+            raise AdapterFormatError(f"{stem or '<layer>'}: no slices")
+        bias = None
+        if any(v.diff_b is not None for _, _, v in parts):
+            bias = torch.zeros(int(out_features), dtype=torch.float32)
+            for a, b, v in parts:
+                if v.diff_b is not None:
+                    bias[a:b] = v.diff_b.float()
+                    v.diff_b = None
+        super().__init__(stem, None, bias)
+        self.parts = parts
+        self._out = int(out_features)
+        ins = {v.in_features for _, _, v in parts} - {None}
+        if len(ins) > 1:
+            raise self._err(f"the slices' updates have different input sizes {sorted(ins)}")
+        self._in = ins.pop() if ins else None
+        prev = 0
+        for a, b, v in parts:
+            if a < prev or b > self._out or b - a != v.out_features:
+                raise self._err(f"slice [{a}, {b}) of a {self._out}-row weight overlaps another slice, lies "
+                                f"outside the weight or does not fit its {v.out_features}-row update")
+            prev = b
+
+    @property
+    def scale(self) -> float:
+        return 1.0
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def in_features(self) -> int | None:
+        return self._in
+
+    @property
+    def needs_weight(self) -> bool:
+        return any(v.needs_weight for _, _, v in self.parts)
+
+    @property
+    def has_weight_delta(self) -> bool:
+        return any(v.has_weight_delta for _, _, v in self.parts)
+
+    def check_module(self, out_features: int, in_features: int) -> None:
+        super().check_module(out_features, in_features)
+        for a, b, v in self.parts:
+            v.check_module(b - a, in_features)
+        self._in = int(in_features)
+
+    def tensors(self) -> dict[str, Tensor]:
+        t = {f"[{a}:{b}].{k}": x for a, b, v in self.parts for k, x in v.tensors().items()}
+        if self.diff_b is not None:
+            t["diff_b"] = self.diff_b
+        return t
+
+    def clear_cache(self) -> None:
+        super().clear_cache()
+        for _, _, v in self.parts:
+            v.clear_cache()
+
+    def cached_nbytes(self) -> int:
+        return super().cached_nbytes() + sum(v.cached_nbytes() for _, _, v in self.parts)
+
+    def _delta(self, device, ct, rows, weight) -> Tensor:
+        idx = torch.arange(self._out, device=device)
+        if rows is not None:
+            idx = idx[_rows_on(rows, device)]
+        out = torch.zeros(idx.numel(), self._in, device=device, dtype=ct)
+        for a, b, v in self.parts:
+            sel = ((idx >= a) & (idx < b)).nonzero().squeeze(1)
+            if sel.numel():
+                w = None if weight is None else weight[a:b]
+                out[sel] = v._delta(device, ct, idx[sel] - a, w)
+        return out
+
+    def _forward(self, x, strength, base_out_nobias, weight) -> Tensor:
+        y = x.new_zeros(*x.shape[:-1], self._out)
+        for a, b, v in self.parts:
+            w = None if weight is None else weight[a:b]
+            y0 = None if base_out_nobias is None else base_out_nobias[..., a:b]
+            y[..., a:b] = v._forward(x, strength, y0, w)
+        return y
 
 
 # --- detection ------------------------------------------------------------------------

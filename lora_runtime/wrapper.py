@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import variants
 from .adapter import LayerAdapter
 from .errors import MergeRefusedError
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
@@ -43,6 +44,7 @@ from .runtime_context import current_context
 from .scaling import folds_scales, scale_delta
 
 _FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 @dataclass
@@ -53,7 +55,11 @@ class AdapterSlot:
     enabled: bool = True
     merged: bool = False
     content_hash: str = ""
-    _cache: dict = field(default_factory=dict, repr=False)
+    frozen_delta: torch.Tensor | None = field(default=None, repr=False)  # weight-dependent delta while merged
+
+    @property
+    def variant(self) -> variants.Variant:
+        return self.layer.variant
 
     @property
     def contributes(self) -> bool:
@@ -61,14 +67,16 @@ class AdapterSlot:
 
     @property
     def is_plain_lora(self) -> bool:
-        la = self.layer
-        return la.has_lowrank and la.dora_scale is None and la.diff is None
+        """A plain LoRA: stackable with the others, takeable by a fused kernel."""
+        return type(self.layer.variant) is variants.LoRA
+
+    @property
+    def has_weight_delta(self) -> bool:
+        return self.layer.variant.has_weight_delta
 
     def tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ("ab", device, dtype)
-        if key not in self._cache:
-            self._cache[key] = (self.layer.down.to(device, dtype), self.layer.up.to(device, dtype))
-        return self._cache[key]
+        """(down [r, in], up [out, r]) of a plain LoRA slot on device in dtype (cached)."""
+        return self.layer.variant.factors(device, dtype)
 
 
 def mergeable(layer: nn.Module) -> tuple[bool, str]:
@@ -224,7 +232,7 @@ class LoraLinear(nn.Module):
         if self._plan_cache is None:
             self._plan_cache = (
                 [s for s in self._weight_slots() if not s.merged],
-                [s for s in self.slots.values() if s.contributes and s.layer.diff_b is not None],
+                [s for s in self.slots.values() if s.contributes and s.variant.diff_b is not None],
             )
         return self._plan_cache
 
@@ -238,7 +246,7 @@ class LoraLinear(nn.Module):
 
     @property
     def has_output_offset(self) -> bool:
-        return any(s.contributes and s.layer.diff_b is not None for s in self.slots.values())
+        return any(s.contributes and s.variant.diff_b is not None for s in self.slots.values())
 
     @property
     def lora_active(self) -> bool:
@@ -246,49 +254,40 @@ class LoraLinear(nn.Module):
         ctx = current_context()
         if ctx is not None and ctx.scale == 0.0:
             return False
-        return any(s.contributes and (not s.merged or s.layer.diff_b is not None) for s in self.slots.values())
+        return any(s.contributes and (not s.merged or s.variant.diff_b is not None) for s in self.slots.values())
 
     # --- weight-space delta (merge, loss estimate, reference) ------------------------
+    @property
+    def is_conv(self) -> bool:
+        return isinstance(self.get_base_layer(), _CONVS)
+
+    @property
+    def weight2d(self) -> torch.Tensor:
+        """The weight as the [out, in * kernel] matrix the variants' deltas are written for
+        (a view: writes reach the layer's weight)."""
+        w = self.weight
+        return w.view(w.shape[0], -1) if w.dim() > 2 else w
+
     def _weight_slots(self) -> list[AdapterSlot]:
-        return [s for s in self.slots.values() if s.contributes and (s.layer.has_lowrank or s.layer.diff is not None)]
+        return [s for s in self.slots.values() if s.contributes and s.has_weight_delta]
 
     @torch.no_grad()
     def delta_rows(self, rows, slots: list[AdapterSlot] | None = None) -> torch.Tensor:
-        """fp32 weight delta of `slots` (default: every contributing slot) for `rows`."""
-        w = self.weight
+        """fp32 weight delta of `slots` (default: every contributing slot) for `rows`,
+        times each slot's strength. Slots whose delta depends on the weight (DoRA) use the
+        delta frozen at merge time while merged, so a restore subtracts what was added."""
+        w = self.weight2d
         out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
         for s in self._weight_slots() if slots is None else slots:
-            la = s.layer
-            if la.dora_scale is not None:
-                out += self._dora_delta(s)[rows]
+            if s.frozen_delta is not None:
+                out += s.frozen_delta[rows]
                 continue
-            if la.has_lowrank:
-                b = la.up.to(w.device)[rows].float()
-                out += (b @ la.down.to(w.device).float()) * (la.alpha_over_rank * s.strength)
-            if la.diff is not None:
-                out += la.diff.to(w.device)[rows].float() * s.strength
+            d = s.variant.delta(w.device, torch.float32, rows, weight=w if s.variant.needs_weight else None)
+            out += d.mul_(s.strength) if s.strength != 1.0 else d
         return out
 
-    @torch.no_grad()
-    def _dora_delta(self, s: AdapterSlot) -> torch.Tensor:
-        """Full fp32 delta of a DoRA slot: strength * (m * Wc / ||Wc|| - W), Wc = W + (a/r) B A."""
-        key = ("dora", s.strength)
-        if key not in s._cache:
-            la = s.layer
-            w = self.weight.detach().float()
-            wc = w + (la.up.float() @ la.down.float()).to(w.device) * la.alpha_over_rank
-            if la.diff is not None:
-                wc = wc + la.diff.to(w.device).float()
-            m = la.dora_scale.to(w.device).float()
-            if m.dim() == 2 and m.shape[0] == 1 and m.shape[1] == w.shape[1]:  # [1, in]: column norms
-                wd = wc * (m / wc.norm(dim=0, keepdim=True))
-            else:  # [out] or [out, 1]: row norms (PEFT, LyCORIS wd_on_out)
-                wd = wc * (m.reshape(-1, 1) / wc.norm(dim=1, keepdim=True))
-            s._cache[key] = (wd - w) * s.strength
-        return s._cache[key]
-
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
-        return rounding_loss_sums(self.weight, self.delta_rows, max_rows=max_rows)
+        return rounding_loss_sums(self.weight2d, self.delta_rows, max_rows=max_rows)
 
     # --- merge / restore -------------------------------------------------------------
     def merge(self, only: set[str] | None = None) -> None:
@@ -302,7 +301,16 @@ class LoraLinear(nn.Module):
         slots = [s for s in self._weight_slots() if only is None or s.name in only]
         if not slots:
             return
-        self._restore = merge_weight(self.weight, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        w = self.weight2d
+        for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
+            if s.variant.needs_weight:
+                s.frozen_delta = s.variant.delta(w.device, torch.float32, weight=w).mul_(s.strength)
+        try:
+            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        except BaseException:
+            for s in slots:
+                s.frozen_delta = None
+            raise
         for s in slots:
             s.merged = True
         self._merged_names = tuple(s.name for s in slots)
@@ -312,9 +320,10 @@ class LoraLinear(nn.Module):
         if not self.merged:
             return
         slots = [self.slots[n] for n in self._merged_names]
-        restore_weight(self.weight, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        restore_weight(self.weight2d, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
         for s in slots:
             s.merged = False
+            s.frozen_delta = None
         self._restore = None
         self._merged_names = ()
         self._invalidate()
@@ -338,6 +347,8 @@ class LoraLinear(nn.Module):
         rs = ctx.scale if ctx is not None else 1.0
         if rs == 0.0:
             return y
+        if self.is_conv:
+            return self._conv_forward(x, y, dyn, offsets, rs, ctx)
         if folds_scales(ctx):
             plain = [s for s in dyn if s.is_plain_lora]
             if plain:
@@ -348,23 +359,43 @@ class LoraLinear(nn.Module):
             d = self._slot_delta(x, s, rs, ctx)
             y = y.add_(d) if _can_add_inplace(y) else y + d
         for s in offsets:
-            off = s.layer.diff_b.to(y.device, y.dtype)  # may be the adapter's own tensor: never in place
+            off = s.variant.bias_delta(y.device, y.dtype)  # cached and shared: never in place
             y = y + scale_delta(off, (s.strength, rs), ctx)
         return y
 
     def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx) -> torch.Tensor:
-        la = s.layer
-        if la.dora_scale is not None:
-            d = F.linear(x, self._dora_delta(s).to(x.dtype))  # strength is inside the DoRA delta
-            return scale_delta(d, (rs,), ctx, inplace=True)
-        delta = None
-        if la.has_lowrank:
+        """One slot's output delta (no diff_b). Plain LoRA in `exact`: ((x A^T) B^T), then each
+        non-unit factor (scale, strength, runtime scale) in order. Other variants: the
+        variant's own factorised forward (`variants`), then strength and runtime scale;
+        in lossless/high both go into the variant's forward (onto its small inner tensor)."""
+        v = s.variant
+        if type(v) is variants.LoRA:
             a, b = s.tensors(x.device, x.dtype)
-            delta = scale_delta(F.linear(F.linear(x, a), b), (la.alpha_over_rank, s.strength, rs), ctx, inplace=True)
-        if la.diff is not None:
-            dd = scale_delta(F.linear(x, la.diff.to(x.device, x.dtype)), (s.strength, rs), ctx, inplace=True)
-            delta = dd if delta is None else delta.add_(dd)
-        return delta
+            return scale_delta(F.linear(F.linear(x, a), b), (v.scale, s.strength, rs), ctx, inplace=True)
+        w = self.weight if v.needs_weight else None
+        if folds_scales(ctx):
+            return v.forward_delta(x, s.strength * rs, weight=w, include_bias=False)
+        return scale_delta(v.forward_delta(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
+
+    def _conv_forward(self, x, y, dyn, offsets, rs, ctx):
+        """Conv layers: each live slot's dense kernel delta (strength folded in, cached per
+        strength/device/dtype: a patch embedding's kernel is small) through the layer's own
+        convolution geometry, then the runtime scale."""
+        conv = self.get_base_layer()
+        fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[conv.weight.dim() - 2]
+        for s in dyn:
+            key = ("conv", s.name, s.strength, x.device, x.dtype)
+            k = self._stack_cache.get(key)
+            if k is None:
+                d = s.variant.delta(x.device, torch.float32)
+                k = self._stack_cache[key] = d.mul_(s.strength).reshape(conv.weight.shape).to(x.dtype)
+            d = fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+            d = scale_delta(d, (rs,), ctx, inplace=True)
+            y = y.add_(d) if _can_add_inplace(y) else y + d
+        for s in offsets:
+            off = s.variant.bias_delta(y.device, y.dtype).reshape(-1, *([1] * (y.dim() - 2)))
+            y = y + scale_delta(off, (s.strength, rs), ctx)
+        return y
 
     def plain_stack(self, device, dtype, slots: list[AdapterSlot] | None = None):
         """Stacked (A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None).
@@ -395,7 +426,7 @@ class LoraLinear(nn.Module):
         ctx = current_context()
         rs = ctx.scale if ctx is not None else 1.0
         live, offsets = self._call_plan()
-        if not live or offsets or any(not s.is_plain_lora for s in live):
+        if not live or offsets or self.is_conv or any(not s.is_plain_lora for s in live):
             return None
         a, bt, factor, vec = self.plain_stack(device, dtype, live)
         scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)

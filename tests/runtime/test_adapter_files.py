@@ -129,11 +129,11 @@ def test_bad_tensors_name_the_key(tmp_path, model):
     with pytest.raises(AdapterFormatError, match="ffn.0.lora_down.weight.*NaN"):
         load_adapter(tmp_path / "nan.safetensors")
     save_file({"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(2, 32)}, str(tmp_path / "half.safetensors"))
-    with pytest.raises(AdapterFormatError, match="only its down"):
+    with pytest.raises(AdapterFormatError, match="down.* without its up"):
         load_adapter(tmp_path / "half.safetensors")
     save_file({"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(2, 16),
                "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(64, 2)}, str(tmp_path / "shape.safetensors"))
-    with pytest.raises(AdapterFormatError, match=r"blocks.0.ffn.0.*64x16.*64x32"):
+    with pytest.raises(AdapterFormatError, match=r"blocks.0.ffn.0.*\[64, 16\].*\[64, 32\]"):
         match_adapter(load_adapter(tmp_path / "shape.safetensors"), model)
     save_file({"a.lora_A.x.weight": torch.zeros(2, 4), "a.lora_B.x.weight": torch.zeros(4, 2),
                "b.lora_A.y.weight": torch.zeros(2, 4), "b.lora_B.y.weight": torch.zeros(4, 2)},

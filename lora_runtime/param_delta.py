@@ -1,0 +1,103 @@
+"""Deltas on parameters that have no matrix product of their own to ride on.
+
+Norm weights and biases (``w_norm`` / ``b_norm``, or ``diff`` / ``diff_b`` on a norm
+module) and bare parameters (``diff_m`` or ``diff`` on e.g. Wan's ``blocks.N.modulation``
+and ``head.modulation``) are what distillation adapters (lightx2v-style) carry beside
+their LoRA layers. ComfyUI adds them into the parameters; so does this module, in every
+merge mode: such a parameter is read inside the block's own code (``x * (1 + scale) +
+shift``, a norm's affine), so there is no module output to add a delta to at run time.
+
+Contract
+- `ParamPatch` holds the deltas of all adapters for one parameter; ``merge()`` writes
+  ``round(fp32(p) + sum_i strength_i * delta_i)`` with the same one-rounding, finite-check-
+  before-write merge as Linear weights (`merge.merge_weight`) and ``restore()`` puts the
+  parameter back bit for bit (fingerprint-checked), also after the parameter moved device.
+- ``share_lost`` is the share of the update the merge rounded away (the report shows
+  it: a sub-ulp norm delta merged into bf16 is visible, never silent).
+- A parameter that is not a plain float tensor (quantized, fp8, meta) refuses the merge
+  with an error naming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MergeRefusedError
+from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class ParamDelta:
+    """One file layer's delta for one parameter of the model."""
+
+    stem: str        # the file's stem
+    part: str        # diff / diff_b / diff_m / w_norm / b_norm
+    target: str      # the model's parameter name
+    delta: torch.Tensor
+
+    kind = "param"
+
+    @property
+    def keys(self) -> list[str]:
+        return [f"{self.stem}.{self.part}"]
+
+    def nbytes(self) -> int:
+        return self.delta.numel() * self.delta.element_size()
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view (rows, cols) of a parameter or delta: [n] -> [1, n], [a, ...] -> [a, -1].
+    A view (never a copy), so writes reach the parameter."""
+    return t.view(1, -1) if t.dim() <= 1 else t.view(t.shape[0], -1)
+
+
+class ParamPatch:
+    """The merged deltas of every adapter on one parameter."""
+
+    def __init__(self, name: str, param: torch.Tensor):
+        self.name = name
+        self.param = param
+        self.entries: list[tuple[str, ParamDelta, float]] = []   # (adapter name, delta, strength)
+        self._restore: RestoreRecord | None = None
+        self.share_lost = 0.0
+
+    def add(self, adapter: str, delta: ParamDelta, strength: float) -> None:
+        self.entries.append((adapter, delta, float(strength)))
+
+    @property
+    def merged(self) -> bool:
+        return self._restore is not None
+
+    def _rows(self, rows) -> torch.Tensor:
+        p = _as_rows(self.param.detach())
+        out = torch.zeros(p[rows].shape, dtype=torch.float32, device=p.device)
+        for _, d, s in self.entries:
+            if s != 0.0:
+                out += _as_rows(d.delta.contiguous()).to(p.device, torch.float32)[rows] * s
+        return out
+
+    def merge(self) -> None:
+        p = self.param
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or p.dtype not in _FLOATS or p.is_meta:
+            raise MergeRefusedError(f"parameter {self.name}: cannot add the adapters' delta to a "
+                                    f"{type(p).__name__} of dtype {p.dtype}; load the model in bf16/fp16/fp32")
+        if self.merged or not any(s != 0.0 for _, _, s in self.entries):
+            return
+        view = _as_rows(p.detach())
+        err, tot = rounding_loss_sums(view, self._rows)
+        self.share_lost = (err / tot) ** 0.5 if tot > 0 else 0.0
+        who = ", ".join(sorted({a for a, _, _ in self.entries}))
+        self._restore = merge_weight(view, self._rows, what=f"adapter(s) {who}: parameter {self.name}")
+
+    def restore(self) -> None:
+        if self._restore is None:
+            return
+        restore_weight(_as_rows(self.param.detach()), self._restore, self._rows, what=f"parameter {self.name}")
+        self._restore = None
+
+    @property
+    def restore_bytes(self) -> int:
+        return self._restore.nbytes if self._restore is not None else 0
