@@ -38,7 +38,7 @@ from torch import nn
 
 from . import variants
 from .adapter import LayerAdapter
-from .errors import MergeRefusedError
+from .errors import LoraRuntimeError, MergeRefusedError
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import current_context
 from .scaling import folds_scales, scale_delta
@@ -108,6 +108,20 @@ def _can_add_inplace(y: torch.Tensor) -> bool:
     """In-place accumulation into the base output: only when it is a plain contiguous tensor
     outside autograd (a leaf-free inference output)."""
     return y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad)
+
+
+def _rows(mask: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor:
+    """A per-row 0/1 mask [rows] of the model call shaped to broadcast over `like` (batch on dim
+    0, or batch-major flattened rows), in its dtype (0 and 1 are exact in every float dtype)."""
+    n = mask.shape[0]
+    lead = like.shape[0] if like.dim() else 1
+    if lead != n:
+        if like.dim() < 2 or lead % n:
+            raise LoraRuntimeError(
+                f"{layer}: a per-branch adapter needs the batch on dim 0 of this layer's input, but it has "
+                f"{lead} rows for a call of {n}; set the adapter's branch to 'both'")
+        mask = mask.repeat_interleave(lead // n)
+    return mask.to(like.device, like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 ATTR = "_lora_runtime"
@@ -254,7 +268,27 @@ class LoraLinear(nn.Module):
         ctx = current_context()
         if ctx is not None and ctx.scale == 0.0:
             return False
-        return any(s.contributes and (not s.merged or s.variant.diff_b is not None) for s in self.slots.values())
+        return any(s.contributes and (not s.merged or s.variant.diff_b is not None)
+                   and (ctx is None or ctx.adapters is None or self.call_factor(s, ctx)[0] != 0.0)  # issue 12
+                   for s in self.slots.values())
+
+    # --- issue 12: per-call factor of a slot (strength schedule, CFG branch) ---------------
+    def call_factor(self, s: AdapterSlot, ctx) -> tuple[float, "torch.Tensor | None"]:
+        """Slot `s`'s runtime scale for this call and its row mask (fp32 [rows] of 0/1 over the
+        call's batch, or None for every row): the context's scale times the adapter's scheduled
+        multiplier, set per model call by the sampler hook (see schedule.py). Without a schedule
+        this is (ctx.scale, None), the same float as before: no extra multiply, no extra bit."""
+        return ctx.adapter_factor(s.name) if ctx is not None else (1.0, None)
+
+    def call_has_row_mask(self) -> bool:
+        """Does some live slot act on part of this call's rows only (a per-branch adapter in a
+        batched CFG call)? Fused kernels take a per-rank scale, not a per-row one: such a call
+        runs unfused (fusion_sites reports the route)."""
+        ctx = current_context()
+        if ctx is None or ctx.adapters is None:
+            return False
+        dyn, offsets = self._call_plan()
+        return any(self.call_factor(s, ctx)[1] is not None for s in (*dyn, *offsets))
 
     # --- weight-space delta (merge, loss estimate, reference) ------------------------
     @property
@@ -347,6 +381,8 @@ class LoraLinear(nn.Module):
         rs = ctx.scale if ctx is not None else 1.0
         if rs == 0.0:
             return y
+        if ctx is not None and ctx.adapters is not None:  # issue 12: this call's per-adapter factors
+            return self._scheduled_forward(x, y, dyn, offsets, ctx)
         if self.is_conv:
             return self._conv_forward(x, y, dyn, offsets, rs, ctx)
         if folds_scales(ctx):
@@ -428,6 +464,18 @@ class LoraLinear(nn.Module):
         live, offsets = self._call_plan()
         if not live or offsets or self.is_conv or any(not s.is_plain_lora for s in live):
             return None
+        if ctx is not None and ctx.adapters is not None:  # issue 12: this call's per-adapter factors
+            f = {s.name: self.call_factor(s, ctx) for s in live}
+            if any(m is not None for _, m in f.values()):
+                return None  # a per-row (per-branch) factor: the fused kernel takes per-rank scales only
+            live = [s for s in live if f[s.name][0] != 0.0]
+            if not live:
+                return None
+            if any(f[s.name][0] != f[live[0].name][0] for s in live):
+                a, bt, _, _ = self.plain_stack(device, dtype, live)
+                return a, bt.t(), torch.cat([torch.full((s.layer.rank,), s.layer.alpha_over_rank * s.strength *
+                                                        f[s.name][0], dtype=torch.float32) for s in live]).to(device)
+            rs = f[live[0].name][0]
         a, bt, factor, vec = self.plain_stack(device, dtype, live)
         scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
         return a, bt.t(), scale
@@ -444,6 +492,69 @@ class LoraLinear(nn.Module):
         if not _can_add_inplace(y):
             y = y.contiguous() if not y.requires_grad else y.clone()
         y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
+        return y
+
+    def _scheduled_forward(self, x, y, dyn, offsets, ctx) -> torch.Tensor:
+        """The forward's delta when the call carries per-adapter factors (issue 12, schedule.py):
+        the same paths with each slot's own runtime scale; slots at 0 are skipped (base bits),
+        a row mask zeroes the delta on the other branch's rows.
+        exact: per slot ((x A^T) B^T) * alpha/rank * strength * runtime scale, then * row mask.
+        lossless/high: plain LoRA slots stacked as before; uniform factors keep the one-GEMM-pair
+        path with the scale as the GEMM's alpha (no extra op: a scheduled adapter costs what a
+        constant one does), else a per-rank factor and the row mask on the small [T, R] tensor."""
+        f = {s.name: self.call_factor(s, ctx) for s in (*dyn, *offsets)}
+        dyn = [s for s in dyn if f[s.name][0] != 0.0]
+        offsets = [s for s in offsets if f[s.name][0] != 0.0]
+        if self.is_conv:  # per slot through the conv path; a row mask on its [N, C, ...] delta
+            for args in [([s], []) for s in dyn] + [([], [s]) for s in offsets]:
+                rs, mask = f[(args[0] or args[1])[0].name]
+                if mask is None:
+                    y = self._conv_forward(x, y, *args, rs, ctx)
+                else:
+                    d = self._conv_forward(x, torch.zeros_like(y), *args, rs, ctx)
+                    y = y + d * _rows(mask, d, self.layer_name)
+            return y
+        if folds_scales(ctx):
+            plain = [s for s in dyn if s.is_plain_lora]
+            if plain:
+                first = f[plain[0].name]
+                if first[1] is None and all(f[s.name] == first for s in plain):
+                    y = self._stacked_delta(x, y, plain, first[0])
+                else:
+                    y = self._stacked_delta_per_slot(x, y, plain, [f[s.name] for s in plain])
+            dyn = [s for s in dyn if not s.is_plain_lora]
+        for s in dyn:
+            rs, mask = f[s.name]
+            d = self._slot_delta(x, s, rs, ctx)
+            if mask is not None:
+                d = d * _rows(mask, d, self.layer_name)
+            y = y.add_(d) if _can_add_inplace(y) else y + d
+        for s in offsets:
+            rs, mask = f[s.name]
+            off = scale_delta(s.variant.bias_delta(y.device, y.dtype), (s.strength, rs), ctx)
+            y = y + (off if mask is None else off * _rows(mask, y, self.layer_name))
+        return y
+
+    def _stacked_delta_per_slot(self, x, y, slots, factors) -> torch.Tensor:
+        """y += sum_i (x A_i^T) * f_i * mask_i B_i^T: one pair of GEMMs; the per-adapter factors
+        (alpha/rank * strength * this call's runtime scale) and row masks on h [T, R]."""
+        a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
+        key = ("per_slot", x.device, x.dtype, tuple(s.name for s in slots), tuple(rs for rs, _ in factors))
+        per_rank = self._stack_cache.get(key)
+        if per_rank is None:  # one small vector per distinct factor set (at most one per step)
+            base = [s.layer.alpha_over_rank * s.strength for s in slots]
+            per_rank = self._stack_cache[key] = torch.cat(
+                [torch.full((s.layer.rank,), b * rs, dtype=torch.float32) for s, b, (rs, _) in
+                 zip(slots, base, factors)]).to(x.device, x.dtype)
+        h = F.linear(x, a).mul_(per_rank)
+        r0 = 0
+        for s, (_, mask) in zip(slots, factors):
+            if mask is not None:
+                h[..., r0:r0 + s.layer.rank].mul_(_rows(mask, h, self.layer_name))
+            r0 += s.layer.rank
+        if not _can_add_inplace(y):
+            y = y.contiguous() if not y.requires_grad else y.clone()
+        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt)
         return y
 
     def extra_repr(self) -> str:

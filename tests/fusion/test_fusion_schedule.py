@@ -1,0 +1,62 @@
+"""Fusion sites under a strength schedule or a branch (issue 12): the scheduled multiplier
+reaches the LoRA-aware fused kernel as its scale, a call scheduled to 0 takes the base fused
+epilogue, and a per-branch adapter in a batched CFG call runs unfused, reported as its route."""
+import torch
+
+from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
+from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
+
+from _fixtures import lora_pair, write_kohya
+from _sites import FC1, SiteZoo
+
+POS_ROWS = torch.tensor([0.0, 0.0, 1.0, 1.0])  # CFG batch, negative rows first
+
+
+def test_fused_site_takes_the_scheduled_scale_and_runs_per_branch_unfused(tmp_path):
+    model = SiteZoo()
+    pairs = {n: lora_pair(model.get_submodule(n).out_features, model.get_submodule(n).in_features, 4, i, 0.2)
+             for i, n in enumerate(FC1)}
+    path = write_kohya(tmp_path / "a.safetensors", pairs, alpha=2.0, prefix=None)
+    x = torch.randn(4, 7, 24, generator=torch.Generator().manual_seed(0))
+    inj = LoraInjector(model)
+    inj.apply(plan(model, [AdapterSpec(str(path), 0.8, "a")], "dynamic", "lossless"))
+    try:
+        with torch.no_grad(), runtime_context(tier="lossless"):
+            unfused = {}
+            with runtime_context(adapters={"a": (0.5, None)}):
+                unfused[0.5] = model(x)
+            with runtime_context(adapters={"a": (0.0, None)}):
+                unfused[0.0] = model(x)
+            with runtime_context(adapters={"a": (1.0, POS_ROWS)}):
+                unfused["pos"] = model(x)
+            constant = model(x)
+            mounted = mount_fusions(model, "lossless", backend="torch")
+            fused = {}
+            with runtime_context(adapters={"a": (0.5, None)}):
+                fused[0.5] = model(x)
+            r_half = dict(_routes(mounted))
+            with runtime_context(adapters={"a": (0.0, None)}):
+                fused[0.0] = model(x)
+            r_zero = dict(_routes(mounted))
+            with runtime_context(adapters={"a": (1.0, POS_ROWS)}):
+                fused["pos"] = model(x)
+            r_pos = dict(_routes(mounted))
+            mounted.unmount()
+    finally:
+        inj.clear()
+    assert r_half == {"lora_fused": 3}                                 # the scheduled scale through the kernel
+    assert r_zero == {"lora_fused": 3, "base_fused": 3}                # 0: the base fused epilogue
+    assert r_pos == {"lora_fused": 3, "base_fused": 3, "unfused (per-branch adapter)": 3}  # reported
+    for k in (0.5, 0.0, "pos"):
+        torch.testing.assert_close(fused[k], unfused[k], rtol=1e-5, atol=1e-5)  # fp32: the tier's closeness
+    assert not torch.allclose(fused[0.5], constant, atol=1e-3)          # the wrong answer: schedule ignored
+    assert not torch.allclose(fused[0.0], constant, atol=1e-3)
+    assert torch.equal(fused["pos"], unfused["pos"])                   # unfused route: the same eager path
+
+
+def _routes(mounted):
+    out = {}
+    for s in mounted.sites:
+        for k, v in s.routes.items():
+            out[k] = out.get(k, 0) + v
+    return out
