@@ -305,8 +305,12 @@ export const formatReport = safe(
         level = "info";
       }
       const path = str(ad.path);
-      const title = [cov.title, path ? `file: ${path}` : "", ad.format ? `format: ${str(ad.format)}` : ""]
+      const title = [cov.title, path ? `file: ${path}` : "", ad.format ? `format: ${str(ad.format)}` : "",
+        ad.schedule ? `strength schedule: ${str(ad.schedule)}` : "",
+        ad.branch ? `branch: ${str(ad.branch)}` : "",
+        ad.schedule_applied ? `applied: ${str(ad.schedule_applied)}` : ""]
         .filter(Boolean).join("\n");
+      if (ad.schedule || ad.branch) text += ad.branch ? ` · ${str(ad.branch)}` : " · scheduled";
       adapterItems.push({ key: `adapter:${i}`, text, level, title });
     });
     out.push(...adapterItems);

@@ -178,3 +178,18 @@ test("collapsedSummary: one line, warnings and errors first, every line in the h
   assert.equal(err.level, "error");
   assert.equal(fmt.collapsedSummary([]), null);
 });
+
+test("a scheduled / per-branch adapter says so on its badge and lists the schedule on hover", () => {
+  const items = fmt.formatReport({
+    decision: { requested: "auto", chosen: "dynamic", share_lost: null, reason: "stays unmerged: schedule" },
+    adapters: [{ name: "d.safetensors", strength: 1, coverage: { adapter: "d.safetensors", matched: 3, file_layers: 3 },
+      schedule: "keyframes 0:1, 0.5:0", schedule_applied: "steps 1-4 x1, steps 5-8 x0" },
+    { name: "p.safetensors", strength: 1, coverage: {}, branch: "positive only" }],
+    fusions: { mounted: 0, sites: [], skipped: 0, skip_reasons: [] },
+  });
+  const a = items.find((i) => i.key === "adapter:0");
+  assert.match(a.text, /scheduled/);
+  assert.match(a.title, /strength schedule: keyframes 0:1, 0.5:0/);
+  assert.match(a.title, /applied: steps 1-4 x1, steps 5-8 x0/);
+  assert.match(items.find((i) => i.key === "adapter:1").text, /positive only/);
+});
