@@ -31,7 +31,7 @@ from . import latent_format
 logger = logging.getLogger(__name__)
 
 SCHEDULER_NAMES = ["simple", "sgm_uniform", "karras", "beta", "normal"]
-SAMPLER_NAMES = ["euler"]
+SAMPLER_NAMES = ["euler", "heun"]  # heun: k-diffusion's sample_heun with s_churn 0 (two model calls a step)
 
 NUM_TIMESTEPS = 1000
 DEFAULT_SHIFT = 8.0  # Wan 2.1 T2V sampling_settings
@@ -321,7 +321,14 @@ def sample_flow(model_fn: ModelFn, *, noise: torch.Tensor, latent: torch.Tensor,
         if callback is not None:
             callback(i, total, x)
         d = (x - denoised) / sigma
-        x = x + d * (sigmas[i + 1] - sigma)
+        if sampler_name == "heun" and float(sigmas[i + 1]) != 0.0:
+            # Heun's corrector: a second model call at the next sigma, then the average slope
+            dt = sigmas[i + 1] - sigma
+            x2 = x + d * dt
+            d2 = (x2 - _guided_denoise(model_fn, x2, sigmas[i + 1], pos, neg, cfg, call)) / sigmas[i + 1]
+            x = x + (d + d2) / 2 * dt
+        else:
+            x = x + d * (sigmas[i + 1] - sigma)
     return x / (1.0 - sigmas[-1])  # inverse noise scaling
 
 

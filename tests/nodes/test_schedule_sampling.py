@@ -164,3 +164,40 @@ def test_malformed_and_mismatched_schedules_fail_clearly_and_touch_nothing(base)
     with pytest.raises(LoraRuntimeError, match="merge mode 'merge' cannot fold"):
         _ksampler(_model(base, schedule="1, 1, 1, 0, 0, 0", mode="merge"))
     assert all(torch.equal(w0[k], v) for k, v in _weights(base).items())
+
+
+def test_a_two_call_sampler_maps_each_call_by_its_sigma(base):
+    """Heun calls the model at sigmas[i] and again at sigmas[i+1]: the second call is step i+1
+    (schedule.py), so with '1,1,1,0,0,0' the corrector of step 2 already runs without the adapter."""
+    k = 3
+    sched = ", ".join(["1"] * k + ["0"] * (STEPS - k))
+    pos, neg = _conds()
+    m = _model(base, schedule=sched)
+    got = KSampler().sample(m, SEED, STEPS, CFG, "heun", "simple", pos, neg, _latent(), 1.0)[0]["samples"]
+    sigmas = sampling.flow_sigmas(STEPS, "simple", shift=float(base.get_model_object("model_sampling").shift))
+    t_k = float(sigmas[k] * 1000)  # the DiT's timestep at sigmas[k], the same fp32 product the sampler makes
+
+    def by_sigma(i, dm, bare, x, t, c):  # the documented rule: step < k  <=>  sigma > sigmas[k]
+        return (dm if float(t[0]) > t_k else bare)(x, t, c)
+
+    def by_call_count(i, dm, bare, x, t, c):  # the wrong rule: a step's calls share the step's value
+        return (dm if i // 2 < k else bare)(x, t, c)
+
+    def heun_reference(pick):
+        dm = base.model.diffusion_model
+        bare = copy.deepcopy(dm)
+        p = plan(dm, [AdapterSpec(folder_paths.get_full_path_or_raise("loras", "style.safetensors"), 0.8,
+                                  "style.safetensors")], "dynamic", "exact")
+        calls = {"n": 0}
+        with torch.no_grad(), applied(dm, p):
+            def fn(x, t, c):
+                calls["n"] += 1
+                return pick(calls["n"] - 1, dm, bare, x, t, c)
+            out = sampling.ksampler(fn, seed=SEED, steps=STEPS, cfg=CFG, sampler_name="heun", scheduler="simple",
+                                    positive=pos, negative=neg, latent=_latent(),
+                                    shift=float(base.get_model_object("model_sampling").shift))
+        assert calls["n"] == 2 * STEPS - 1  # the last step (to sigma 0) is a plain Euler step
+        return out["samples"]
+    assert torch.equal(got, heun_reference(by_sigma))
+    assert not torch.equal(got, heun_reference(by_call_count))
+    assert lifecycle.last_report(m)["adapters"][0]["schedule_applied"] == "steps 1-3 x1, steps 4-6 x0"
