@@ -134,7 +134,7 @@ def test_callback_interrupts_and_batch_index_kept(tiny_wan, cond_pos):
     assert torch.equal(rec.calls[0][0][:2], prepare_noise(latent["samples"], 5, [3, 1]))  # sigma0 = 1
     assert rec.calls[0][0].shape[0] == 4  # [neg x2, pos x2]
     with pytest.raises(ValueError, match="sampler"):
-        ksampler(tiny_wan, seed=1, steps=1, cfg=5.0, sampler_name="heun", scheduler="simple",
+        ksampler(tiny_wan, seed=1, steps=1, cfg=5.0, sampler_name="dpmpp_2m", scheduler="simple",
                  positive=pos, negative=neg, latent=_empty_latent())
 
 
