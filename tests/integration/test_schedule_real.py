@@ -29,6 +29,11 @@ LORA = "it_sched_style.safetensors"
 
 
 @pytest.fixture(scope="module")
+def cond_class(comfy):
+    return comfy.helper_cond_class
+
+
+@pytest.fixture(scope="module")
 def sched_assets(comfy, reference):
     shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
     write_kohya_lora(comfy.loras_dir / LORA, seed=101, rank=4, alpha=4)
