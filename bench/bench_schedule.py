@@ -69,7 +69,7 @@ def comfy_repatch(comfy_dir: str | None, model, tensors, rank: int):
             sys.argv = argv
         patches = []
         for (lin, down, up), name in zip(layers, tensors):
-            sd = {f"x.lora_up.weight": up, f"x.lora_down.weight": down, "x.alpha": torch.tensor(ALPHA)}
+            sd = {"x.lora_up.weight": up, "x.lora_down.weight": down, "x.alpha": torch.tensor(ALPHA)}
             adapter = comfy.weight_adapter.LoRAAdapter.load("x", sd, ALPHA, None)
             patches.append([(STRENGTH, adapter, 1.0, None, None)])
 

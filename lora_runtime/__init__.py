@@ -1,7 +1,9 @@
 """lora_runtime: the engine. Pure torch; importable and testable without ComfyUI.
 
 Public API: load_adapter, match_adapter, AdapterSpec, plan, applied, LoraInjector,
-LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors.
+LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors; strength
+schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
+model_call_context (see `schedule`).
 """
 from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, applied, plan
@@ -9,6 +11,8 @@ from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, Co
                      MergeRefusedError, NonFiniteMergeError, RestoreError)
 from .policy import DecisionCache, MergeDecision, decide, measure_share_lost
 from .runtime_context import RuntimeContext, current_context, runtime_context
+from .schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,
+                       sampling_schedules)
 from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, Tier, parse_merge_mode, parse_tier
 from .wrapper import LoraLinear, mergeable
 

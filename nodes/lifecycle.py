@@ -120,8 +120,7 @@ def _schedules(p, sigmas, patcher) -> SamplingSchedules | None:
         ms = patcher.get_model_object("model_sampling")
     except AttributeError:
         ms = None
-    return SamplingSchedules(entries, sigmas, getattr(ms, "percent_to_sigma", None),
-                             where={pa.name: f"Load LoRA Adapter {pa.spec.name or pa.name!r}" for pa in p.adapters})
+    return SamplingSchedules(entries, sigmas, getattr(ms, "percent_to_sigma", None))  # errors: "Load LoRA Adapter (name)"
 
 
 def apply_model_wrapper(executor, *args, **kwargs):
