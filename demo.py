@@ -37,7 +37,7 @@ RUNS = [
     ("style diffusers keys", "embedded_style_diffusers", {}),
     ("distilled auto cfg1", "embedded_distilled", {}),
     ("distilled merge cfg1", "embedded_distilled", {"3": {"mode": "merge"}}),
-    ("distilled 1st half cfg1", "embedded_distilled_first_half", {}),  # strength_schedule '0:1, 0.5:0'
+    ("distilled half cfg1", "embedded_distilled_first_half", {}),  # strength_schedule '0:1, 0.5:0'
     ("base cfg1", "embedded_base", {"8": {"cfg": 1.0}}),
 ]
 
