@@ -80,6 +80,7 @@ say; BFL "control" LoRAs that widen ``img_in`` (``reshape_weight``).
 from __future__ import annotations
 
 import re
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
@@ -479,16 +480,27 @@ class _Index:
         return list(self.names.get(body, []))
 
 
-_CACHE: list[tuple[Mapping, int, _Index]] = []
+# A few recent indexes, keyed by the mapping's first and last module (weakly: a cached
+# index never keeps a model alive) and its length; a fresh dict(model.named_modules())
+# of the same model finds its index again.
+_CACHE: list[tuple[weakref.ref, weakref.ref, int, _Index]] = []
 
 
 def _index(modules: Mapping[str, nn.Module]) -> _Index:
-    for ref, n, idx in _CACHE:
-        if ref is modules and n == len(modules):
+    if not modules:
+        return _Index(modules)
+    values = list(modules.values()) if not isinstance(modules, dict) else None
+    first = values[0] if values is not None else next(iter(modules.values()))
+    last = values[-1] if values is not None else next(reversed(modules.values()))
+    for a, b, n, idx in _CACHE:
+        if a() is first and b() is last and n == len(modules):
             return idx
     idx = _Index(modules)
-    _CACHE.insert(0, (modules, len(modules), idx))
-    del _CACHE[4:]
+    try:
+        _CACHE.insert(0, (weakref.ref(first), weakref.ref(last), len(modules), idx))
+        del _CACHE[4:]
+    except TypeError:   # not weak-referenceable: no caching
+        pass
     return idx
 
 

@@ -314,3 +314,23 @@ def test_index_is_cached_per_mapping_and_rebuilt_for_another():
     # a new mapping with other shapes is indexed afresh
     small = dict(M.TinyFlux(hidden=16, heads=2).named_modules())
     assert D.resolve("transformer.transformer_blocks.0.attn.to_v", small).rows == (32, 48)
+
+
+def test_lora_wrapped_modules_resolve_to_the_wrapper_and_no_model_is_kept_alive():
+    import gc
+    import weakref
+
+    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+
+    model = M.TinyFlux()
+    blk = model.double_blocks[0].img_attn
+    blk.qkv = LoraLinear(blk.qkv, "double_blocks.0.img_attn.qkv")
+    mods = dict(model.named_modules())
+    assert "double_blocks.0.img_attn.qkv.base_layer" in mods
+    t = D.resolve("transformer.transformer_blocks.0.attn.to_v", mods)
+    assert t == D.Target("double_blocks.0.img_attn.qkv", (64, 96), "Flux diffusers")
+    assert D.resolve("diffusion_model.double_blocks.0.img_attn.qkv.base_layer", mods) is None
+    ref = weakref.ref(model)
+    del model, blk, mods, t
+    gc.collect()
+    assert ref() is None
