@@ -11,9 +11,10 @@ Contract
   ComfyUI calls ``model.diffusion_model``: names like ``double_blocks.0.img_attn.qkv``).
 - returns a `Target` naming the native module (or a bare parameter, ``param=True``),
   the slice of its weight's OUTPUT rows the adapter's delta covers (``rows``,
-  ``[start, stop)``; ``None`` = the whole weight) and the dialect the stem is written
-  in; ``None`` when the stem names nothing in this model (another family, a block
-  index the model lacks, a typo) or names it ambiguously.
+  ``[start, stop)``; ``None`` = the whole weight; a ``diff_b`` bias delta covers the
+  same rows of the bias) and the dialect the stem is written in; ``None`` when the
+  stem names nothing in this model (another family, a block index the model lacks, a
+  typo) or names it ambiguously.
 - ``swap_halves=True``: the adapter's output rows are the target rows in the other
   half order (diffusers' ``norm_out.linear`` is ``[scale, shift]``, BFL's
   ``final_layer.adaLN_modulation.1`` is ``[shift, scale]``). The caller applies the delta
@@ -136,7 +137,9 @@ def _split_prefix(stem: str) -> tuple[str, str, bool]:
                 changed = True
     for p in _UNDERSCORE_PREFIXES:
         if s.startswith(p):
-            return p, s[len(p):].lstrip("_"), True
+            # VideoX-Fun writes lora_unet__blocks_0_...; kohya's SD scripts run on Flux wrote a
+            # trailing '_' (lora_unet_single_transformer_blocks_0_attn_to_k_)
+            return p, s[len(p):].strip("_"), True
     return (kind or ""), s, False
 
 
@@ -147,7 +150,7 @@ _EXTRA_SUFFIXES: list[tuple[re.Pattern, str]] = [
     (re.compile(r"(?<=_lora[12])\.down\.weight$|(?<=_lora)\.down\.weight$"), "down"),
     (re.compile(r"(?<=_lora[12])\.up\.weight$|(?<=_lora)\.up\.weight$"), "up"),
     # PEFT lora_bias / BFL control LoRA: an output offset (ComfyUI maps it to diff_b)
-    (re.compile(r"\.lora_B(?:\.[A-Za-z0-9_\-]+)?\.bias$"), "diff_b"),
+    (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.bias$"), "diff_b"),
 ]
 
 
@@ -156,7 +159,7 @@ def split_key(key: str) -> tuple[str, str, str | None] | None:
     for pattern, part in _EXTRA_SUFFIXES:
         m = pattern.search(key)
         if m:
-            return key[: m.start()], part, None
+            return key[: m.start()], part, m.groupdict().get("slot")
     return key_formats.split_key(key)
 
 
@@ -571,7 +574,7 @@ def resolve_all(stems: Iterable[str], modules: Mapping[str, nn.Module]) -> dict[
     return {s: resolve(s, modules, prefer=prefer) for s in stems}
 
 
-def overlaps(targets: Iterable[Target], shapes: Mapping[str, int] | None = None) -> list[tuple[Target, Target]]:
+def overlaps(targets: Iterable[Target | None]) -> list[tuple[Target, Target]]:
     """Pairs of targets whose row ranges on one module intersect (whole-module targets
     overlap everything on that module)."""
     by_mod: dict[str, list[Target]] = {}

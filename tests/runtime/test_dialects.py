@@ -129,6 +129,9 @@ def test_flux_slices_exactly():
     assert r("transformer.single_transformer_blocks.1.proj_mlp") == D.Target(
         "single_blocks.1.linear1", (96, 224), "Flux diffusers")
     assert r("lora_transformer_single_transformer_blocks_0_attn_to_v").rows == (64, 96)
+    # kohya SD scripts on Flux: diffusers names, lora_unet_, a trailing '_'
+    assert r("lora_unet_single_transformer_blocks_0_attn_to_k_") == D.Target(
+        "single_blocks.0.linear1", (32, 64), "Flux kohya-diffusers (OneTrainer)")
     t = r("transformer.norm_out.linear")
     assert (t.module, t.rows, t.swap_halves) == ("final_layer.adaLN_modulation.1", None, True)
     assert r("transformer.single_transformer_blocks.0.proj_out").module == "single_blocks.0.linear2"
@@ -334,3 +337,16 @@ def test_lora_wrapped_modules_resolve_to_the_wrapper_and_no_model_is_kept_alive(
     del model, blk, mods, t
     gc.collect()
     assert ref() is None
+
+
+def test_split_key_keeps_the_peft_slot_of_a_bias():
+    assert D.split_key("transformer.x_embedder.lora_B.default_0.bias") == ("transformer.x_embedder", "diff_b", "default_0")
+    assert D.split_key("transformer.x_embedder.lora_A.default_0.weight") == ("transformer.x_embedder", "down", "default_0")
+
+
+def test_overlaps_names_the_pairs_that_collide():
+    mods = dict(M.TinyFlux().named_modules())
+    ts = D.resolve_all(["transformer.transformer_blocks.0.attn.to_q", "lora_unet_double_blocks_0_img_attn_qkv",
+                        "transformer.transformer_blocks.0.attn.to_k"], mods)
+    pairs = D.overlaps(ts.values())
+    assert len(pairs) == 2 and all({a.module, b.module} == {"double_blocks.0.img_attn.qkv"} for a, b in pairs)
