@@ -642,13 +642,13 @@ def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None =
     prefix = prefixes.most_common(1)[0][0]
     if not fam_votes:
         return _label(None, N, prefix)
-    family = fam_votes.most_common(1)[0][0]
+    family = max(FAMILY_TABLES, key=lambda f: fam_votes[f])   # ties: the table order (Flux first)
     naming_votes: Counter = Counter()
     for p, hits in per_stem:
         namings = {n for f, n in hits if f == family}
         if len(namings) == 1:
             naming_votes[next(iter(namings))] += 1
-    namings = [n for n in naming_votes if n != N]
+    namings = [n for n in (D, X) if naming_votes[n]]
     naming = max(namings, key=lambda n: naming_votes[n]) if namings else N
     if naming == N and family in _SHARED_NAMES and not namings:
         naming = ("diffusers" if prefix in ("transformer.", "base_model.model.") else

@@ -160,7 +160,9 @@ def test_norm_conv_and_parameter_targets():
         "double_blocks.0.img_attn.norm.query_norm"
 
     wan = dict(M.TinyWan().named_modules())
-    t = D.resolve("diffusion_model.blocks.0.modulation", wan)
+    stem, part, _ = D.split_key("diffusion_model.blocks.0.modulation.diff")
+    assert (stem, part) == ("diffusion_model.blocks.0.modulation", "diff")
+    t = D.resolve(stem, wan)
     assert t == D.Target("blocks.0.modulation", None, "Wan native", param=True)
     assert D.resolve("diffusion_model.head.modulation", wan).param
     assert D.resolve("lora_unet_blocks_1_modulation", wan) == D.Target("blocks.1.modulation", None, "Wan kohya", param=True)
@@ -246,6 +248,14 @@ def test_guess_family_and_dialect_name_for_other_models():
     assert D.dialect_name(["lora_unet_some_thing"]) == "kohya"
     assert D.dialect_name(["base_model.model.x.y"]) == "PEFT"
     assert D.dialect_name([]) == "unknown"
+    # attention-only Flux diffusers keys read like Qwen-Image's too: Flux (table order) without a model
+    attn_only = ["transformer.transformer_blocks.0.attn.to_q", "transformer.transformer_blocks.0.attn.add_k_proj"]
+    assert D.dialect_name(attn_only) == "Flux diffusers"
+    assert D.dialect_name(attn_only, dict(M.TinyQwenImage().named_modules())) == "Qwen-Image diffusers"
+    # Flux keys on the engine tests' Wan-like model
+    like = dict(TinyWanLike().named_modules())
+    assert D.resolve("lora_unet_double_blocks_0_img_attn_qkv", like) is None
+    assert D.resolve("transformer.single_transformer_blocks.0.attn.to_q", like) is None
 
 
 def test_model_family():
