@@ -417,6 +417,11 @@ class _Entry:
 
 
 def _weight_shape(mod: nn.Module) -> tuple[int, ...] | None:
+    """[out, in, ...] of the module's weight; a Linear's own in/out_features first (a
+    quantized weight's storage shape need not be its logical shape)."""
+    o, i = getattr(mod, "out_features", None), getattr(mod, "in_features", None)
+    if isinstance(o, int) and isinstance(i, int):
+        return (o, i)
     w = getattr(mod, "weight", None)
     if not isinstance(w, torch.Tensor):
         base = getattr(mod, "base_layer", None)

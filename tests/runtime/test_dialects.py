@@ -360,3 +360,31 @@ def test_overlaps_names_the_pairs_that_collide():
                         "transformer.transformer_blocks.0.attn.to_k"], mods)
     pairs = D.overlaps(ts.values())
     assert len(pairs) == 2 and all({a.module, b.module} == {"double_blocks.0.img_attn.qkv"} for a, b in pairs)
+
+
+@pytest.mark.parametrize("family", sorted(M.MODELS))
+def test_every_weighted_module_and_parameter_resolves_by_its_native_name(family):
+    model = M.MODELS[family]()
+    mods = dict(model.named_modules())
+    names = [n for n, m in mods.items() if n and any(True for _ in m.parameters(recurse=False))]
+    params = [n for n, _ in model.named_parameters() if not n.endswith((".weight", ".bias"))]
+    assert names and (params or family in ("Flux", "Qwen-Image"))
+    for n in names + params:
+        for stem in ("diffusion_model." + n, "lora_unet_" + n.replace(".", "_")):
+            t = D.resolve(stem, mods)
+            assert t is not None and t.module == n and t.rows is None and not t.swap_halves, (stem, t)
+            assert t.param == (n in params), stem
+            assert t.dialect.startswith(family), (stem, t.dialect)
+
+
+def test_quantized_style_weight_uses_the_linear_features():
+    class Packed(nn.Module):   # a weight stored packed: storage shape is not [out, in]
+        def __init__(self, lin):
+            super().__init__()
+            self.in_features, self.out_features = lin.in_features, lin.out_features
+            self.weight = nn.Parameter(torch.zeros(lin.out_features * lin.in_features // 2, 1), requires_grad=False)
+
+    model = M.TinyFlux()
+    model.single_blocks[0].linear1 = Packed(model.single_blocks[0].linear1)
+    mods = dict(model.named_modules())
+    assert D.resolve("transformer.single_transformer_blocks.0.proj_mlp", mods).rows == (96, 224)
