@@ -353,7 +353,9 @@ DIALECTS: list[Dialect] = [
             "txt_attn.qkv, single to_q/to_k/to_v/proj_mlp = rows of linear1, norm_out.linear = "
             "final_layer.adaLN_modulation.1 with halves swapped"),
     Dialect("Flux kohya-diffusers (OneTrainer)", "Flux", D, ("lora_transformer_", "lora_unet_"),
-            "lora_transformer_single_transformer_blocks_0_proj_mlp", "as Flux diffusers"),
+            "lora_transformer_single_transformer_blocks_0_proj_mlp",
+            "as Flux diffusers; also kohya's SD scripts run on Flux (lora_unet_ + diffusers names, a trailing '_' "
+            "ignored)"),
     Dialect("Flux LyCORIS (SimpleTuner)", "Flux", D, ("lycoris_",),
             "lycoris_transformer_blocks_0_attn_to_q", "as Flux diffusers"),
     Dialect("Flux XLabs", "Flux", X, ("", "diffusion_model."),

@@ -432,3 +432,13 @@ def make_dialect_file(dialect: str, model: nn.Module, rank: int = 4, seed: int =
         full = expected.setdefault(native, torch.zeros(out_f, in_f, dtype=torch.float64))
         full[lo:hi] += d
     return tensors, expected
+
+
+def save_dialect_file(path, dialect: str, model: nn.Module, rank: int = 4, seed: int = 0
+                      ) -> dict[str, torch.Tensor]:
+    """Write `make_dialect_file`'s tensors to a safetensors file at `path`; return `expected`."""
+    from safetensors.torch import save_file
+
+    tensors, expected = make_dialect_file(dialect, model, rank, seed)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return expected

@@ -388,3 +388,15 @@ def test_quantized_style_weight_uses_the_linear_features():
     model.single_blocks[0].linear1 = Packed(model.single_blocks[0].linear1)
     mods = dict(model.named_modules())
     assert D.resolve("transformer.single_transformer_blocks.0.proj_mlp", mods).rows == (96, 224)
+
+
+def test_save_dialect_file_round_trips(tmp_path):
+    from safetensors.torch import load_file
+
+    model = M.TinyFlux()
+    expected = M.save_dialect_file(tmp_path / "xlabs.safetensors", "Flux XLabs", model, rank=2, seed=3)
+    tensors = load_file(str(tmp_path / "xlabs.safetensors"))
+    got = _dense_via_resolver(tensors, dict(model.named_modules()))
+    assert set(got) == set(expected)
+    for m in expected:
+        torch.testing.assert_close(got[m], expected[m], rtol=0, atol=1e-12)
