@@ -33,6 +33,14 @@ dialect most of the stems are written in (from the same `DIALECTS` table that
 `resolve` labels targets with); never ``"unknown"`` when a stem resolved.
 ``guess_family`` is re-exported from ``key_formats`` unchanged.
 
+For the loader: split keys with this module's `split_key` (it also knows XLabs'
+``*_lora1.down.weight`` and PEFT's ``.lora_B.bias``), group them by stem, call
+`resolve_all` once per file, check ``up`` has ``rows[1] - rows[0]`` rows (the module's
+out_features when ``rows`` is None) and ``down`` the module's in_features, refuse
+what `overlaps` returns (two stems on the same rows), and report `dialect_name` as the
+file's format. Pass the diffusion model's own modules (names without
+``diffusion_model.``); a Target may name a non-Linear (container, norm, conv).
+
 How a stem is read: outer prefixes (``base_model.model.``, ``model.diffusion_model.``,
 ``diffusion_model.``, ``transformer.``, ``unet.``; and a bare ``model.`` as a last
 resort) are stripped, or a kohya-style prefix (``lora_unet_``, VideoX-Fun's
