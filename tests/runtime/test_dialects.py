@@ -162,6 +162,12 @@ def test_norm_conv_and_parameter_targets():
     wan = dict(M.TinyWan().named_modules())
     stem, part, _ = D.split_key("diffusion_model.blocks.0.modulation.diff")
     assert (stem, part) == ("diffusion_model.blocks.0.modulation", "diff")
+    for key in ("diffusion_model.blocks.0.modulation.diff_m", "diffusion_model.blocks.0.norm3.w_norm",
+                "diffusion_model.blocks.0.norm3.diff_b", "lora_unet_blocks_0_norm3.b_norm"):
+        parts = D.split_key(key)
+        if parts is not None:    # diff_m / w_norm / b_norm: key_formats' parts (main since fa6659e)
+            t = D.resolve(parts[0], wan)
+            assert t is not None and t.module in ("blocks.0.modulation", "blocks.0.norm3"), key
     t = D.resolve(stem, wan)
     assert t == D.Target("blocks.0.modulation", None, "Wan native", param=True)
     assert D.resolve("diffusion_model.head.modulation", wan).param
