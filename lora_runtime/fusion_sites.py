@@ -229,6 +229,7 @@ class MountedSite:
                         self.routes["lora_fused"] += 1
                         return fused()
                     return self.unfused(fc1, x, "unfused (measured faster here)")
+                return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
             def fused():

@@ -447,6 +447,18 @@ class LoraLinear(nn.Module):
         scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
         return a, bt.t(), scale
 
+    def unfusable_reason(self) -> str:
+        """Why `fusable_stack` gives nothing right now (for the fusion report)."""
+        live, offsets = self._call_plan()
+        kinds = sorted({s.variant.kind for s in live if not s.is_plain_lora})
+        if kinds:
+            return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
+        if offsets:
+            return "an output offset (diff_b) rides on the layer"
+        if self.is_conv:
+            return "a convolution"
+        return "no live low-rank update"
+
     def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
         """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
         a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
