@@ -11,6 +11,7 @@ reported and logged, never silent.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -444,6 +445,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     unmatched: dict[str, str] = dict(adapter.ignored_keys)
     applied_stems: list[str] = []
     for stem, la in adapter.layers.items():
+        la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
         t = resolved.get(stem)
         if t is None:
             unmatched[stem] = "no such layer in the model"

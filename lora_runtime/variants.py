@@ -92,6 +92,7 @@ DoRA conventions
 from __future__ import annotations
 
 import abc
+import copy
 import math
 import re
 from typing import ClassVar, Mapping
@@ -920,7 +921,9 @@ class Sliced(Variant):
     kind = "sliced"
 
     def __init__(self, parts, out_features: int, *, stem: str = ""):
-        parts = sorted(((int(a), int(b), v) for a, b, v in parts), key=lambda p: p[0])
+        # shallow copies: the parts' diff_b move into this offset without touching the
+        # variants the caller (a cached adapter) keeps
+        parts = sorted(((int(a), int(b), copy.copy(v)) for a, b, v in parts), key=lambda p: p[0])
         if not parts:
             raise AdapterFormatError(f"{stem or '<layer>'}: no slices")
         bias = None

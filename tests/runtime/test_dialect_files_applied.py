@@ -61,3 +61,26 @@ def test_sliced_file_differs_from_reading_slices_as_whole_weights(tmp_path):
     only_q = torch.zeros_like(want)
     only_q[:h] = want[:h]
     assert ((want - only_q).norm() / want.norm()).item() > 0.5
+
+
+def test_matching_a_cached_adapter_twice_gives_the_same_updates(tmp_path):
+    """The adapter cache hands the same loaded file to every run: matching must not change
+    it (a second run would otherwise swap [scale, shift] back, or lose a slice's diff_b)."""
+    model = MODELS["Flux"]()
+    tensors, expected = make_dialect_file("Flux diffusers", model, rank=4, seed=4)
+    q = next(k for k in tensors if k.endswith("transformer_blocks.0.attn.to_q.lora_B.weight"))
+    tensors[q.replace(".lora_B.weight", ".diff_b")] = torch.randn(tensors[q].shape[0])
+    assert any("norm_out.linear" in k for k in tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "f.safetensors"))
+    adapter = load_adapter(tmp_path / "f.safetensors")
+    first, _ = match_adapter(adapter, model)
+    second, _ = match_adapter(adapter, model)
+    for name, la in first.items():
+        v1, v2 = la.variant, second[name].variant
+        assert torch.equal(v1.delta(), v2.delta()), name
+        b1, b2 = v1.bias_delta(), v2.bias_delta()
+        assert (b1 is None) == (b2 is None) and (b1 is None or torch.equal(b1, b2)), name
+    qkv = next(n for n in first if n.endswith("double_blocks.0.img_attn.qkv"))
+    assert first[qkv].variant.bias_delta() is not None
+    final = next(n for n in first if n.endswith("final_layer.adaLN_modulation.1"))
+    assert torch.allclose(first[final].variant.delta().double(), expected[final], rtol=1e-5, atol=1e-7)
