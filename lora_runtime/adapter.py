@@ -266,7 +266,7 @@ def _check_header(p: Path) -> str:
         return f"{p.name} holds no tensors; it is not a LoRA adapter"
     if not any(split_key(k) is not None for k in names):
         return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
-                "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b")
+                f"supported: {_SUPPORTED}")
     meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     try:
         scale_sources.find_config(p, meta)
