@@ -11,6 +11,7 @@ reported and logged, never silent.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -23,7 +24,9 @@ import torch
 from torch import nn
 
 from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
-from .key_formats import candidate_names, guess_family, split_key
+from . import dialects
+from .key_formats import guess_family
+from .dialects import split_key
 from .param_delta import ParamDelta
 from . import scale_sources, variants
 from .safetensors_file import load_safetensors, read_header
@@ -263,7 +266,7 @@ def _check_header(p: Path) -> str:
         return f"{p.name} holds no tensors; it is not a LoRA adapter"
     if not any(split_key(k) is not None for k in names):
         return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
-                "supported: lora_down/lora_up, lora_A/lora_B, diff, diff_b")
+                f"supported: {_SUPPORTED}")
     meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     try:
         scale_sources.find_config(p, meta)
@@ -435,23 +438,30 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     an error, naming the family its keys look like."""
     all_modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    by_underscore = {n.replace(".", "_"): n for n in list(all_modules) + list(params) if n}
     linears = linear_modules(model)
+    resolved = dialects.resolve_all(list(adapter.layers), all_modules)
     targets: dict = {}
     slices: dict[str, list] = {}
     unmatched: dict[str, str] = dict(adapter.ignored_keys)
     applied_stems: list[str] = []
     for stem, la in adapter.layers.items():
-        cands = candidate_names(stem, by_underscore)
-        target = next((c for c in cands if c in all_modules or c in params), None)
-        if target is None:
+        la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
+        t = resolved.get(stem)
+        if t is None:
             unmatched[stem] = "no such layer in the model"
             continue
-        rows = la.rows
-        module = all_modules.get(target)
-        kind = target_kind(module) if module is not None else "param"
+        target = t.module
+        module = None if t.param else all_modules.get(target)
+        kind = target_kind(module) if module is not None else ("param" if target in params else "")
         why = None
-        if kind in ("linear", "conv"):
+        if t.rows is not None:
+            la.rows = t.rows
+        if t.swap_halves and kind in ("linear", "conv") and la.variant is not None:
+            why = _swap_halves(adapter, la)
+        rows = la.rows
+        if why is not None:
+            pass
+        elif kind in ("linear", "conv"):
             if la.variant is None:
                 if la.param_like and kind == "conv" and set(la.parts) <= {"diff", "diff_b"}:
                     _build(adapter, la)
@@ -500,7 +510,10 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         kinds[k] = kinds.get(k, 0) + 1
     keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys)
     keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
-    report = CoverageReport(adapter.name, adapter.format, sorted(targets), unmatched, len(linears), len(adapter.layers),
+    fmt = dialects.dialect_name(list(adapter.layers), all_modules)
+    if adapter.format not in ("", "unknown"):
+        fmt = f"{fmt} ({adapter.format} keys)"
+    report = CoverageReport(adapter.name, fmt, sorted(targets), unmatched, len(linears), len(adapter.layers),
                             adapter.scale_source, list(adapter.notes), applied_layers=len(applied_stems),
                             keys_total=keys_total, keys_applied=keys_applied, kinds=kinds)
     family = guess_family(adapter.layers)
@@ -525,6 +538,29 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         else:
             log.info("LoRA %s", report.summary())
     return targets, report
+
+
+def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:
+    """Exchange the two halves of the update's output rows (diffusers' ``norm_out.linear`` is
+    [scale, shift], the native ``final_layer.adaLN_modulation.1`` is [shift, scale]).
+    Returns why it cannot, or None."""
+    v = la.variant
+
+    def sw(t):
+        n = t.shape[0] // 2
+        return torch.cat([t[n:], t[:n]])
+
+    if type(v) is variants.LoRA:
+        la.variant = variants.LoRA(v.down, sw(v.up), v.alpha, stem=v.stem, rslora=v.rslora,
+                                   diff_b=None if v.diff_b is None else sw(v.diff_b))
+    elif type(v) is variants.Full:
+        la.variant = variants.Full(sw(v.diff), stem=v.stem, diff_b=None if v.diff_b is None else sw(v.diff_b))
+    elif type(v) is variants.BiasOnly:
+        la.variant = variants.BiasOnly(sw(v.diff_b), stem=v.stem)
+    else:
+        return (f"a {v.kind} update on a [scale, shift] layer stored in the other order; only LoRA and diff "
+                "updates can be reordered")
+    return None
 
 
 def _build(adapter: LoraAdapter, la: LayerAdapter) -> None:

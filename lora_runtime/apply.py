@@ -24,6 +24,7 @@ from torch import nn
 
 from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
+from .param_delta import ParamDelta, ParamPatch
 from .policy import DecisionCache, MergeDecision, decide
 from .runtime_context import runtime_context
 from .schedule import Branch, Schedule, parse_branch, varies
@@ -71,10 +72,12 @@ class Plan:
     merge_refusals: dict[str, str] = field(default_factory=dict)
 
     def modules(self) -> list[str]:
+        """Modules that get a wrapper (parameter deltas are not modules)."""
         seen: dict[str, None] = {}
         for pa in self.adapters:
-            for m in pa.layers:
-                seen.setdefault(m)
+            for m, la in pa.layers.items():
+                if isinstance(la, LayerAdapter):
+                    seen.setdefault(m)
         return list(seen)
 
 
@@ -115,6 +118,7 @@ class ApplyReport:
     merged_weight_bytes: int = 0
     patch_seconds: float = 0.0
     fusions: list[dict] = field(default_factory=list)
+    params: list[dict] = field(default_factory=list)   # parameter deltas merged (norms, modulation)
 
     def to_dict(self) -> dict:
         return {
@@ -127,6 +131,7 @@ class ApplyReport:
             "merged_weight_bytes": self.merged_weight_bytes,
             "patch_seconds": round(self.patch_seconds, 4),
             "fusions": self.fusions,
+            "params": self.params,
         }
 
 
@@ -136,6 +141,7 @@ class LoraInjector:
     def __init__(self, model: nn.Module):
         self.model = model
         self.wrappers: dict[str, LoraLinear] = {}
+        self.params: dict[str, ParamPatch] = {}
 
     # -- attaching (instance forward; the module tree is never changed) -----------------
     def _wrap(self, name: str) -> LoraLinear:
@@ -157,6 +163,12 @@ class LoraInjector:
 
     def unmerge_all(self) -> None:
         errors = []
+        for pp in self.params.values():
+            try:
+                pp.restore()
+            except Exception as e:  # keep restoring the others
+                errors.append(e)
+        self.params.clear()
         for w in self.wrappers.values():
             try:
                 w.unmerge()
@@ -176,9 +188,17 @@ class LoraInjector:
         t0 = time.perf_counter()
         self.unmerge_all()
         wanted: dict[str, list[tuple[PlannedAdapter, LayerAdapter]]] = {}
+        params: dict[str, ParamPatch] = {}
+        named = None
         for pa in p.adapters:
-            for module_name, la in pa.layers.items():
-                wanted.setdefault(module_name, []).append((pa, la))
+            for target, la in pa.layers.items():
+                if isinstance(la, ParamDelta):
+                    if named is None:
+                        named = dict(self.model.named_parameters())
+                    params.setdefault(target, ParamPatch(target, named[target])).add(
+                        pa.name, la, pa.spec.strength if pa.spec.enabled else 0.0)
+                else:
+                    wanted.setdefault(target, []).append((pa, la))
         for name in [n for n in self.wrappers if n not in wanted]:
             self._unwrap(name)
         for name, entries in wanted.items():
@@ -203,21 +223,31 @@ class LoraInjector:
             merge = decision.merged_adapters()
             self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic
                              and merge.intersection(w.slots)], wanted, merge)
+        try:
+            for name, pp in params.items():  # no forward of their own: merged in every mode
+                pp.merge()
+                self.params[name] = pp
+        except BaseException:
+            self.unmerge_all()
+            raise
         report = ApplyReport(
             tier=p.tier.value,
             decision=decision,
             coverage=[pa.coverage for pa in p.adapters],
             adapters=[{"name": pa.name, "path": pa.spec.path, "strength": pa.spec.strength,
                        "enabled": pa.spec.enabled, "format": pa.adapter.format,
-                       "layers": len(pa.layers),
+                       "layers": len(pa.layers), "kinds": dict(pa.coverage.kinds),
                        **({"schedule": pa.spec.schedule.describe()} if pa.spec.schedule is not None else {}),
                        **({"branch": parse_branch(pa.spec.branch).value}
                           if parse_branch(pa.spec.branch) is not Branch.BOTH else {})} for pa in p.adapters],
             layers_wrapped=len(self.wrappers),
-            restore_bytes=sum(w.restore_bytes for w in self.wrappers.values()),
+            restore_bytes=sum(w.restore_bytes for w in self.wrappers.values())
+            + sum(pp.restore_bytes for pp in self.params.values()),
             merged_weight_bytes=sum(w.weight.numel() * w.weight.element_size()
                                     for w in self.wrappers.values() if w.merged),
             patch_seconds=time.perf_counter() - t0,
+            params=[{"param": n, "adapters": sorted({a for a, _, _ in pp.entries}),
+                     "share_lost": round(pp.share_lost, 4)} for n, pp in self.params.items()],
         )
         return report
 

@@ -33,7 +33,7 @@ Guards
   LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
   unfused forward — never the base weight alone. A strength schedule reaches the kernel
   as its scale (`fusable_stack`; scheduled to 0 this call: the base fused epilogue); a
-  per-branch adapter in a batched CFG call runs unfused, counted as its own route.
+  per-branch adapter in a batched CFG call runs unfused (`unfusable_reason` says so).
 
 By default (backend "auto") sites mount only where the Triton kernels run (CUDA):
 on the CPU the fp32 torch reference is not faster than the eager forward. Tests
@@ -231,8 +231,8 @@ class MountedSite:
                         self.routes["lora_fused"] += 1
                         return fused()
                     return self.unfused(fc1, x, "unfused (measured faster here)")
-            # issue 12: a per-branch adapter in a batched CFG call has a per-row scale the kernel lacks
-            return self.unfused(fc1, x, "unfused (per-branch adapter)" if lw.call_has_row_mask() else "unfused")
+                return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
+            return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
             def fused():
                 return linear_gelu_tanh(x, w, b, backend=self.backend)

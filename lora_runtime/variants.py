@@ -92,6 +92,7 @@ DoRA conventions
 from __future__ import annotations
 
 import abc
+import copy
 import math
 import re
 from typing import ClassVar, Mapping
@@ -577,7 +578,9 @@ class LoKr(Variant):
 
     Dynamic path without the dense [out, in] delta: kron(w1, w2)[p*c+q, j*d+k] =
     w1[p, j] w2[q, k], so for x viewed as X [..., b, d], y viewed as [..., a, c] is
-    w1 @ (X @ w2^T). Only the small dense w1 and w2 are built (cached per device/dtype).
+    (w1 @ X) @ w2^T: w1 mixes the input-sized tensor first, so the output-sized tensor is
+    written once. Only the small dense w1 and w2 are built (cached per device/dtype); a
+    factorised w2 runs as two thin GEMMs when that halves the flops.
     """
 
     kind = "lokr"
@@ -688,7 +691,17 @@ class LoKr(Variant):
             w1 = w1 * c  # the smaller factor
         b, d = w1.shape[1], w2.shape[1]
         xv = x.reshape(*x.shape[:-1], b, d)
-        y = torch.matmul(w1, F.linear(xv, w2))  # [..., a, c]
+        # mix over w1 first, on the input-sized [..., b, d] -> [..., a, d] (cheap), so the only
+        # output-sized tensor is the final one: y[..., p, :] = (sum_j w1[p, j] X[..., j, :]) w2^T
+        u = torch.matmul(w1, xv)
+        r = None if self.w2 is not None or self.t2 is not None else int(self.w2_b.shape[0])
+        if r is not None and 2 * r * (w2.shape[0] + d) < w2.shape[0] * d:
+            # factorised w2 = w2_a w2_b: two thin GEMMs at under half the dense product's flops
+            w2a = self._on(x.device, x.dtype, "w2_a", lambda: self.w2_a)
+            w2b = self._on(x.device, x.dtype, "w2_b", lambda: self.w2_b)
+            y = F.linear(F.linear(u, w2b), w2a)
+        else:
+            y = F.linear(u, w2)  # [..., a, c]
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -908,7 +921,9 @@ class Sliced(Variant):
     kind = "sliced"
 
     def __init__(self, parts, out_features: int, *, stem: str = ""):
-        parts = sorted(((int(a), int(b), v) for a, b, v in parts), key=lambda p: p[0])
+        # shallow copies: the parts' diff_b move into this offset without touching the
+        # variants the caller (a cached adapter) keeps
+        parts = sorted(((int(a), int(b), copy.copy(v)) for a, b, v in parts), key=lambda p: p[0])
         if not parts:
             raise AdapterFormatError(f"{stem or '<layer>'}: no slices")
         bias = None

@@ -386,10 +386,16 @@ class LoraLinear(nn.Module):
         if self.is_conv:
             return self._conv_forward(x, y, dyn, offsets, rs, ctx)
         if folds_scales(ctx):
+            # DoRA (per-row norm) needs x W^T: read it off the base output before anything is
+            # added to it (y - bias) instead of a second base GEMM; reference path: recomputed
+            first = [(s, self._slot_delta(x, s, rs, ctx, y0=self._base_out_nobias(y)))
+                     for s in dyn if s.variant.needs_base_output]
             plain = [s for s in dyn if s.is_plain_lora]
             if plain:
                 y = self._stacked_delta(x, y, plain, rs)
-            dyn = [s for s in dyn if not s.is_plain_lora]
+            for _, d in first:
+                y = y.add_(d) if _can_add_inplace(y) else y + d
+            dyn = [s for s in dyn if not s.is_plain_lora and not s.variant.needs_base_output]
         for s in dyn:
             # the delta is a fresh tensor, scaled in place; accumulate in place too (same bits)
             d = self._slot_delta(x, s, rs, ctx)
@@ -399,7 +405,16 @@ class LoraLinear(nn.Module):
             y = y + scale_delta(off, (s.strength, rs), ctx)
         return y
 
-    def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx) -> torch.Tensor:
+    def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
+        """x W^T read off the base output, or None when the host patches the weight or bias
+        per call (ComfyUI ``weight_function`` / ``bias_function``): then it is recomputed."""
+        base = self.get_base_layer()
+        if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
+            return None
+        b = self.bias
+        return y if b is None else y - b.to(y.device, y.dtype)
+
+    def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx, y0=None) -> torch.Tensor:
         """One slot's output delta (no diff_b). Plain LoRA in `exact`: ((x A^T) B^T), then each
         non-unit factor (scale, strength, runtime scale) in order. Other variants: the
         variant's own factorised forward (`variants`), then strength and runtime scale;
@@ -410,7 +425,7 @@ class LoraLinear(nn.Module):
             return scale_delta(F.linear(F.linear(x, a), b), (v.scale, s.strength, rs), ctx, inplace=True)
         w = self.weight if v.needs_weight else None
         if folds_scales(ctx):
-            return v.forward_delta(x, s.strength * rs, weight=w, include_bias=False)
+            return v.forward_delta(x, s.strength * rs, base_out_nobias=y0, weight=w, include_bias=False)
         return scale_delta(v.forward_delta(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
 
     def _conv_forward(self, x, y, dyn, offsets, rs, ctx):
@@ -479,6 +494,20 @@ class LoraLinear(nn.Module):
         a, bt, factor, vec = self.plain_stack(device, dtype, live)
         scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
         return a, bt.t(), scale
+
+    def unfusable_reason(self) -> str:
+        """Why `fusable_stack` gives nothing right now (for the fusion report)."""
+        if self.call_has_row_mask():  # issue 12
+            return "a per-branch adapter in a CFG batch: the fused kernel takes a per-rank scale, not a per-row one"
+        live, offsets = self._call_plan()
+        kinds = sorted({s.variant.kind for s in live if not s.is_plain_lora})
+        if kinds:
+            return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
+        if offsets:
+            return "an output offset (diff_b) rides on the layer"
+        if self.is_conv:
+            return "a convolution"
+        return "no live low-rank update"
 
     def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
         """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""

@@ -29,6 +29,7 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         "adapters": adapters,
         "fusions": {"mounted": len(mounted), "sites": mounted,
                     "skipped": len(skipped), "skip_reasons": sorted({f.get("skipped", "") for f in skipped})},
+        "params": d.get("params", []),
         "patch_seconds": d["patch_seconds"],
         "restore_bytes": d["restore_bytes"],
         "sample_seconds": round(sample_seconds, 4),
@@ -50,6 +51,9 @@ def text(r: dict) -> str:
         c = a.get("coverage") or {}
         ad = a.get("decision") or {}
         lines.append(f"  {a['name']} x{a['strength']}: {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"
+                     + (f" ({c['format']})" if c.get("format") else "")
+                     + (", " + ", ".join(f"{n} {k}" for k, n in sorted(c["kinds"].items()))
+                        if set(c.get("kinds") or {}) - {"lora"} else "")
                      + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
                      + (f"; {ad['chosen']}" if ad.get("chosen") else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
@@ -57,6 +61,10 @@ def text(r: dict) -> str:
             lines.append("    " + "; ".join(x for x in (a.get("schedule"), a.get("branch") and f"{a['branch']} branch",
                                                        a.get("schedule_applied") and
                                                        f"applied: {a['schedule_applied']}") if x))
+    if r.get("params"):
+        worst = max(r["params"], key=lambda p: p["share_lost"])
+        lines.append(f"  {len(r['params'])} norm/modulation parameters merged (no forward of their own; "
+                     f"largest share rounded away {worst['share_lost']:.1%} on {worst['param']})")
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))

@@ -100,8 +100,17 @@ export const formatCoverage = safe(
       `${matched} model layers matched from ${fileLayers === null ? "?" : fileLayers} adapter layers in the file`
         + (modelLinears === null ? "" : `; the model has ${modelLinears} linear layers`),
     ];
+    const keysTotal = num(c.keys_total);
+    const keysApplied = num(c.keys_applied);
+    if (keysTotal) titleLines.push(`${keysApplied === null ? "?" : keysApplied}/${keysTotal} keys of the file applied`);
+    const kinds = isObj(c.kinds) ? Object.entries(c.kinds).filter(([, n]) => num(n)) : [];
+    if (kinds.length && kinds.some(([k]) => k !== "lora")) {
+      titleLines.push(`targets by type: ${kinds.map(([k, n]) => `${n} ${k}`).join(", ")}`);
+    }
     if (unmatched) {
-      titleLines.push(`${unmatched} adapter keys not loaded${examples.length ? ", e.g.:" : "."}`);
+      const what = keysTotal && keysApplied !== null
+        ? `${keysTotal - keysApplied} keys (${unmatched} layers or keys)` : `${unmatched} adapter layers or keys`;
+      titleLines.push(`${what} not loaded${examples.length ? ", e.g.:" : "."}`);
       for (const e of examples) titleLines.push(`  • ${e}`);
       if (unmatched > examples.length && examples.length) {
         titleLines.push(`  … and ${unmatched - examples.length} more`);

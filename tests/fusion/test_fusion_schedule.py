@@ -1,6 +1,6 @@
 """Fusion sites under a strength schedule or a branch (issue 12): the scheduled multiplier
 reaches the LoRA-aware fused kernel as its scale, a call scheduled to 0 takes the base fused
-epilogue, and a per-branch adapter in a batched CFG call runs unfused, reported as its route."""
+epilogue, and a per-branch adapter in a batched CFG call runs unfused, reported with why."""
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
@@ -46,7 +46,9 @@ def test_fused_site_takes_the_scheduled_scale_and_runs_per_branch_unfused(tmp_pa
         inj.clear()
     assert r_half == {"lora_fused": 3}                                 # the scheduled scale through the kernel
     assert r_zero == {"lora_fused": 3, "base_fused": 3}                # 0: the base fused epilogue
-    assert r_pos == {"lora_fused": 3, "base_fused": 3, "unfused (per-branch adapter)": 3}  # reported
+    per_branch = [k for k in r_pos if "per-branch adapter" in k]  # reported, with why
+    assert len(per_branch) == 1 and r_pos == {"lora_fused": 3, "base_fused": 3, per_branch[0]: 3}, r_pos
+    assert "per-rank scale" in per_branch[0]
     for k in (0.5, 0.0, "pos"):
         torch.testing.assert_close(fused[k], unfused[k], rtol=1e-5, atol=1e-5)  # fp32: the tier's closeness
     assert not torch.allclose(fused[0.5], constant, atol=1e-3)          # the wrong answer: schedule ignored

@@ -121,7 +121,7 @@ def test_offsets_and_dora_are_never_fused_with_the_base_weight():
     with torch.no_grad():
         expect = model.blocks[0].ffn(x)
     assert torch.equal(y, expect)
-    assert m.sites[0].routes == {"unfused": 1}
+    assert m.sites[0].routes == {"unfused (an output offset (diff_b) rides on the layer)": 1}
     w.unmerge()
     w.remove_adapter("off")
     d, u = lora_pair(40, 24, 2, 5, 0.3)
@@ -130,7 +130,23 @@ def test_offsets_and_dora_are_never_fused_with_the_base_weight():
     with torch.no_grad(), runtime_context(tier="lossless"):
         model.blocks[0].ffn(x)
     m.unmount()
-    assert m.sites[0].routes == {"unfused": 1}
+    assert m.sites[0].routes == {"unfused (dora update: a fused kernel takes plain LoRA only)": 1}
+    w.remove_adapter("dora")
+    from comfyui_lora_runtime.lora_runtime import variants
+    g = torch.Generator().manual_seed(3)
+    loha = variants.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
+    w.add_adapter("loha", LayerAdapter("x", variant=loha), 1.0)
+    m = mount_fusions(model, "lossless", backend="torch")
+    with torch.no_grad(), runtime_context(tier="lossless"):
+        y = model.blocks[0].ffn(x)
+    m.unmount()
+    with torch.no_grad(), runtime_context(tier="lossless"):
+        expect = model.blocks[0].ffn(x)
+    assert torch.equal(y, expect)  # the unfused path with the LoHa applied, never the base alone
+    w.set_enabled("loha", False)
+    with torch.no_grad(), runtime_context(tier="lossless"):
+        assert not torch.allclose(y, model.blocks[0].ffn(x), rtol=1e-3, atol=1e-3)
+    assert m.sites[0].routes == {"unfused (loha update: a fused kernel takes plain LoRA only)": 1}
     inj.clear()
 
 

@@ -193,3 +193,17 @@ test("a scheduled / per-branch adapter says so on its badge and lists the schedu
   assert.match(a.title, /applied: steps 1-4 x1, steps 5-8 x0/);
   assert.match(items.find((i) => i.key === "adapter:1").text, /positive only/);
 });
+
+test("coverage title counts keys as keys and lists the update types of non-LoRA files", () => {
+  const c = fmt.formatCoverage({
+    adapter: "flux.safetensors", format: "Flux diffusers (peft keys)", matched: 57, file_layers: 58,
+    model_linears: 40, unmatched: 1, unmatched_examples: ["transformer.x (no such layer in the model)"],
+    keys_total: 117, keys_applied: 114, kinds: { sliced: 6, lora: 30, param: 3 },
+  });
+  assert.equal(c.level, "warn");
+  assert.match(c.title, /114\/117 keys of the file applied/);
+  assert.match(c.title, /3 keys \(1 layers or keys\) not loaded/);
+  assert.match(c.title, /targets by type: 6 sliced, 30 lora, 3 param/);
+  const plain = fmt.formatCoverage({ adapter: "a", matched: 2, file_layers: 2, kinds: { lora: 2 } });
+  assert.doesNotMatch(plain.title, /targets by type/);
+});

@@ -1,0 +1,444 @@
+"""Tiny skeletons with ComfyUI's native module names (Flux, Qwen-Image, LTX-Video, Wan)
+and adapter files in every key dialect, with the dense delta each native module
+should receive — written out by hand here, independently of
+``lora_runtime.dialects`` (nothing in this file calls the resolver).
+
+    make_dialect_file(dialect, model, rank=4, seed=0) -> (tensors, expected)
+
+``tensors``: the file's tensors (keys as that dialect writes them); ``expected``:
+``{native module name: dense delta [out, in], float64}`` = sum over the file's layers
+of ``alpha / rank * up @ down`` placed at the rows the layer covers (halves exchanged
+for diffusers' ``norm_out.linear``). No pytest imports here.
+
+Module names and shapes follow ComfyUI's ``comfy/ldm/flux/layers.py`` + ``model.py``,
+``comfy/ldm/qwen_image/model.py``, ``comfy/ldm/lightricks/model.py``,
+``comfy/ldm/wan/model.py`` (small dims; no forward).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# --- skeletons ------------------------------------------------------------------------
+
+
+def _seq(*mods):
+    return nn.Sequential(*mods)
+
+
+class _MLPEmbedder(nn.Module):
+    def __init__(self, i, h):
+        super().__init__()
+        self.in_layer, self.out_layer = nn.Linear(i, h), nn.Linear(h, h)
+
+
+class _QKNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.query_norm, self.key_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.qkv = nn.Linear(h, 3 * h)
+        self.norm = _QKNorm(h // heads)
+        self.proj = nn.Linear(h, h)
+
+
+class _Modulation(nn.Module):
+    def __init__(self, h, n):
+        super().__init__()
+        self.lin = nn.Linear(h, n * h)
+
+
+class _DoubleBlock(nn.Module):
+    def __init__(self, h, heads, mlp):
+        super().__init__()
+        for s in ("img", "txt"):
+            setattr(self, f"{s}_mod", _Modulation(h, 6))
+            setattr(self, f"{s}_norm1", nn.LayerNorm(h, elementwise_affine=False))
+            setattr(self, f"{s}_attn", _SelfAttention(h, heads))
+            setattr(self, f"{s}_norm2", nn.LayerNorm(h, elementwise_affine=False))
+            setattr(self, f"{s}_mlp", _seq(nn.Linear(h, mlp), nn.GELU(approximate="tanh"), nn.Linear(mlp, h)))
+
+
+class _SingleBlock(nn.Module):
+    def __init__(self, h, heads, mlp):
+        super().__init__()
+        self.linear1 = nn.Linear(h, 3 * h + mlp)
+        self.linear2 = nn.Linear(h + mlp, h)
+        self.norm = _QKNorm(h // heads)
+        self.pre_norm = nn.LayerNorm(h, elementwise_affine=False)
+        self.modulation = _Modulation(h, 3)
+
+
+class _LastLayer(nn.Module):
+    def __init__(self, h, out):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(h, elementwise_affine=False)
+        self.linear = nn.Linear(h, out)
+        self.adaLN_modulation = _seq(nn.SiLU(), nn.Linear(h, 2 * h))
+
+
+class TinyFlux(nn.Module):
+    """Flux.1 (dev) names: hidden 32, 2 heads, mlp ratio 4, 2 double + 2 single blocks."""
+
+    def __init__(self, hidden=32, heads=2, mlp_ratio=4, depth=2, depth_single=2, in_ch=16, ctx=24, vec=12,
+                 t_dim=8):
+        super().__init__()
+        self.hidden_size, self.mlp_hidden = hidden, hidden * mlp_ratio
+        h, mlp = hidden, hidden * mlp_ratio
+        self.img_in = nn.Linear(in_ch, h)
+        self.time_in = _MLPEmbedder(t_dim, h)
+        self.vector_in = _MLPEmbedder(vec, h)
+        self.guidance_in = _MLPEmbedder(t_dim, h)
+        self.txt_in = nn.Linear(ctx, h)
+        self.double_blocks = nn.ModuleList(_DoubleBlock(h, heads, mlp) for _ in range(depth))
+        self.single_blocks = nn.ModuleList(_SingleBlock(h, heads, mlp) for _ in range(depth_single))
+        self.final_layer = _LastLayer(h, in_ch)
+
+
+class _QwenAttention(nn.Module):
+    def __init__(self, d, head_dim):
+        super().__init__()
+        for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            setattr(self, n, nn.RMSNorm(head_dim))
+        for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            setattr(self, n, nn.Linear(d, d))
+        self.to_out = nn.ModuleList([nn.Linear(d, d), nn.Dropout(0.0)])
+        self.to_add_out = nn.Linear(d, d)
+
+
+class _GELUProj(nn.Module):
+    def __init__(self, i, o):
+        super().__init__()
+        self.proj = nn.Linear(i, o)
+
+
+class _QwenFF(nn.Module):
+    def __init__(self, d, inner):
+        super().__init__()
+        self.net = nn.ModuleList([_GELUProj(d, inner), nn.Dropout(0.0), nn.Linear(inner, d)])
+
+
+class _QwenBlock(nn.Module):
+    def __init__(self, d, head_dim):
+        super().__init__()
+        self.img_mod = _seq(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.img_norm1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.img_norm2 = nn.LayerNorm(d, elementwise_affine=False)
+        self.img_mlp = _QwenFF(d, 4 * d)
+        self.txt_mod = _seq(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.txt_norm1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.txt_norm2 = nn.LayerNorm(d, elementwise_affine=False)
+        self.txt_mlp = _QwenFF(d, 4 * d)
+        self.attn = _QwenAttention(d, head_dim)
+
+
+class _TimestepEmbedding(nn.Module):
+    def __init__(self, i, d):
+        super().__init__()
+        self.linear_1, self.linear_2 = nn.Linear(i, d), nn.Linear(d, d)
+
+
+class TinyQwenImage(nn.Module):
+    """QwenImageTransformer2DModel names (ComfyUI): dim 32 (2 heads x 16), 2 blocks."""
+
+    def __init__(self, heads=2, head_dim=16, depth=2, in_ch=16, joint=24, t_dim=8, patch=2, out_ch=4):
+        super().__init__()
+        d = heads * head_dim
+        self.time_text_embed = nn.Module()
+        self.time_text_embed.timestep_embedder = _TimestepEmbedding(t_dim, d)
+        self.txt_norm = nn.RMSNorm(joint)
+        self.img_in = nn.Linear(in_ch, d)
+        self.txt_in = nn.Linear(joint, d)
+        self.transformer_blocks = nn.ModuleList(_QwenBlock(d, head_dim) for _ in range(depth))
+        self.norm_out = nn.Module()
+        self.norm_out.linear = nn.Linear(d, 2 * d)
+        self.norm_out.norm = nn.LayerNorm(d, elementwise_affine=False)
+        self.proj_out = nn.Linear(d, patch * patch * out_ch)
+
+
+class _LTXAttention(nn.Module):
+    def __init__(self, d, ctx):
+        super().__init__()
+        self.q_norm, self.k_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.to_q, self.to_k, self.to_v = nn.Linear(d, d), nn.Linear(ctx, d), nn.Linear(ctx, d)
+        self.to_out = _seq(nn.Linear(d, d), nn.Dropout(0.0))
+
+
+class _LTXBlock(nn.Module):
+    def __init__(self, d, ctx):
+        super().__init__()
+        self.attn1 = _LTXAttention(d, d)
+        self.ff = nn.Module()
+        self.ff.net = _seq(_GELUProj(d, 4 * d), nn.Dropout(0.0), nn.Linear(4 * d, d))
+        self.attn2 = _LTXAttention(d, ctx)
+        self.scale_shift_table = nn.Parameter(torch.zeros(6, d))
+
+
+class TinyLTXVideo(nn.Module):
+    """LTXVModel names (ComfyUI comfy/ldm/lightricks/model.py): inner 32, 2 blocks."""
+
+    def __init__(self, d=32, depth=2, in_ch=16, caption=24, t_dim=8):
+        super().__init__()
+        self.patchify_proj = nn.Linear(in_ch, d)
+        self.adaln_single = nn.Module()
+        self.adaln_single.emb = nn.Module()
+        self.adaln_single.emb.timestep_embedder = _TimestepEmbedding(t_dim, d)
+        self.adaln_single.linear = nn.Linear(d, 6 * d)
+        self.caption_projection = nn.Module()
+        self.caption_projection.linear_1 = nn.Linear(caption, d)
+        self.caption_projection.linear_2 = nn.Linear(d, d)
+        self.transformer_blocks = nn.ModuleList(_LTXBlock(d, d) for _ in range(depth))
+        self.scale_shift_table = nn.Parameter(torch.zeros(2, d))
+        self.norm_out = nn.LayerNorm(d, elementwise_affine=False)
+        self.proj_out = nn.Linear(d, in_ch)
+
+
+class _WanAttn(nn.Module):
+    def __init__(self, d, img=False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm_q, self.norm_k = nn.RMSNorm(d), nn.RMSNorm(d)
+        if img:
+            self.k_img, self.v_img = nn.Linear(d, d), nn.Linear(d, d)
+            self.norm_k_img = nn.RMSNorm(d)
+
+
+class _WanBlock(nn.Module):
+    def __init__(self, d, f, i2v):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.self_attn = _WanAttn(d)
+        self.norm3 = nn.LayerNorm(d, elementwise_affine=True)
+        self.cross_attn = _WanAttn(d, img=i2v)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False)
+        self.ffn = _seq(nn.Linear(d, f), nn.GELU(approximate="tanh"), nn.Linear(f, d))
+        self.modulation = nn.Parameter(torch.zeros(1, 6, d))
+
+
+class TinyWan(nn.Module):
+    """WanModel names (ComfyUI comfy/ldm/wan/model.py), I2V variant: dim 32, 2 blocks."""
+
+    def __init__(self, d=32, f=64, depth=2, in_dim=4, text_dim=24, freq=8, out_dim=4, i2v=True, clip=20):
+        super().__init__()
+        self.patch_embedding = nn.Conv3d(in_dim, d, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+        self.text_embedding = _seq(nn.Linear(text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+        self.time_embedding = _seq(nn.Linear(freq, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_projection = _seq(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.blocks = nn.ModuleList(_WanBlock(d, f, i2v) for _ in range(depth))
+        self.head = nn.Module()
+        self.head.norm = nn.LayerNorm(d, elementwise_affine=False)
+        self.head.head = nn.Linear(d, out_dim * 4)
+        self.head.modulation = nn.Parameter(torch.zeros(1, 2, d))
+        if i2v:
+            self.img_emb = nn.Module()
+            self.img_emb.proj = _seq(nn.LayerNorm(clip), nn.Linear(clip, clip), nn.GELU(), nn.Linear(clip, d),
+                                     nn.LayerNorm(d))
+
+
+MODELS = {"Flux": TinyFlux, "Qwen-Image": TinyQwenImage, "LTX-Video": TinyLTXVideo, "Wan": TinyWan}
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+# --- hand-written layer tables: (file name, native module, rows | None, swap) --------
+
+
+def flux_layers(model: TinyFlux, naming: str) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
+    """Every Linear of TinyFlux as one dialect names it. naming: native | diffusers | xlabs."""
+    h, mlp = model.hidden_size, model.mlp_hidden
+    out = []
+    nd, ns = len(model.double_blocks), len(model.single_blocks)
+    if naming == "native":
+        return [(n, n, None, False) for n in linear_names(model)]
+    if naming == "xlabs":   # XLabs / USO: attention only
+        for i in range(nd):
+            out += [(f"double_blocks.{i}.processor.qkv_lora1", f"double_blocks.{i}.img_attn.qkv", None, False),
+                    (f"double_blocks.{i}.processor.qkv_lora2", f"double_blocks.{i}.txt_attn.qkv", None, False),
+                    (f"double_blocks.{i}.processor.proj_lora1", f"double_blocks.{i}.img_attn.proj", None, False),
+                    (f"double_blocks.{i}.processor.proj_lora2", f"double_blocks.{i}.txt_attn.proj", None, False)]
+        for i in range(ns):
+            out += [(f"single_blocks.{i}.processor.qkv_lora", f"single_blocks.{i}.linear1", (0, 3 * h), False),
+                    (f"single_blocks.{i}.processor.proj_lora", f"single_blocks.{i}.linear2", None, False)]
+        return out
+    assert naming == "diffusers"
+    for i in range(nd):
+        t, d = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        for j, q in enumerate(("to_q", "to_k", "to_v")):
+            out.append((f"{t}.attn.{q}", f"{d}.img_attn.qkv", (j * h, (j + 1) * h), False))
+        for j, q in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+            out.append((f"{t}.attn.{q}", f"{d}.txt_attn.qkv", (j * h, (j + 1) * h), False))
+        out += [(f"{t}.attn.to_out.0", f"{d}.img_attn.proj", None, False),
+                (f"{t}.attn.to_add_out", f"{d}.txt_attn.proj", None, False),
+                (f"{t}.norm1.linear", f"{d}.img_mod.lin", None, False),
+                (f"{t}.norm1_context.linear", f"{d}.txt_mod.lin", None, False),
+                (f"{t}.ff.net.0.proj", f"{d}.img_mlp.0", None, False),
+                (f"{t}.ff.net.2", f"{d}.img_mlp.2", None, False),
+                (f"{t}.ff_context.net.0.proj", f"{d}.txt_mlp.0", None, False),
+                (f"{t}.ff_context.net.2", f"{d}.txt_mlp.2", None, False)]
+    for i in range(ns):
+        t, s = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        out += [(f"{t}.attn.to_q", f"{s}.linear1", (0, h), False),
+                (f"{t}.attn.to_k", f"{s}.linear1", (h, 2 * h), False),
+                (f"{t}.attn.to_v", f"{s}.linear1", (2 * h, 3 * h), False),
+                (f"{t}.proj_mlp", f"{s}.linear1", (3 * h, 3 * h + mlp), False),
+                (f"{t}.proj_out", f"{s}.linear2", None, False),
+                (f"{t}.norm.linear", f"{s}.modulation.lin", None, False)]
+    out += [("x_embedder", "img_in", None, False), ("context_embedder", "txt_in", None, False),
+            ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer", None, False),
+            ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer", None, False),
+            ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer", None, False),
+            ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer", None, False),
+            ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer", None, False),
+            ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer", None, False),
+            ("proj_out", "final_layer.linear", None, False),
+            ("norm_out.linear", "final_layer.adaLN_modulation.1", None, True)]
+    return out
+
+
+def qwen_layers(model: TinyQwenImage, naming: str):
+    return [(n, n, None, False) for n in linear_names(model)]   # ComfyUI uses diffusers' names
+
+
+_LTX_TO_DIFFUSERS = [("patchify_proj", "proj_in"), ("adaln_single.", "time_embed.")]
+
+
+def ltx_layers(model: TinyLTXVideo, naming: str):
+    out = []
+    for n in linear_names(model):
+        f = n
+        if naming == "diffusers":
+            for a, b in _LTX_TO_DIFFUSERS:
+                if f.startswith(a):
+                    f = b + f[len(a):]
+        out.append((f, n, None, False))
+    return out
+
+
+_WAN_TO_DIFFUSERS = [(".self_attn.q", ".attn1.to_q"), (".self_attn.k", ".attn1.to_k"), (".self_attn.v", ".attn1.to_v"),
+                     (".self_attn.o", ".attn1.to_out.0"), (".cross_attn.q", ".attn2.to_q"),
+                     (".cross_attn.k", ".attn2.to_k"), (".cross_attn.v", ".attn2.to_v"),
+                     (".cross_attn.o", ".attn2.to_out.0"), (".cross_attn.k_img", ".attn2.add_k_proj"),
+                     (".cross_attn.v_img", ".attn2.add_v_proj"), (".ffn.0", ".ffn.net.0.proj"),
+                     (".ffn.2", ".ffn.net.2")]
+_WAN_TOP = {"head.head": "proj_out", "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+            "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+            "time_projection.1": "condition_embedder.time_proj",
+            "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+            "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+            "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+            "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2"}
+
+
+def wan_layers(model: TinyWan, naming: str):
+    out = []
+    for n in linear_names(model):
+        f = n
+        if naming == "diffusers":
+            f = _WAN_TOP.get(n, n)
+            for a, b in _WAN_TO_DIFFUSERS:
+                if n.endswith(a):
+                    f = n[: -len(a)] + b
+        out.append((f, n, None, False))
+    return out
+
+
+# --- dialects: family, layer naming, how a name is written, key style, expected label ---
+
+def _dots(prefix):
+    return lambda name: prefix + name
+
+
+def _flat(prefix):
+    return lambda name: prefix + name.replace(".", "_")
+
+
+KOHYA, PEFT, XLABS = "kohya", "peft", "xlabs"
+
+# name -> (family, naming, stem writer, key style, the label dialect_name should give)
+DIALECT_FILES = {
+    "Flux BFL native": ("Flux", "native", _dots("diffusion_model."), KOHYA, "Flux BFL native"),
+    "Flux kohya": ("Flux", "native", _flat("lora_unet_"), KOHYA, "Flux kohya"),
+    "Flux diffusers": ("Flux", "diffusers", _dots("transformer."), PEFT, "Flux diffusers"),
+    "Flux ai-toolkit": ("Flux", "diffusers", _dots("transformer."), PEFT, "Flux diffusers"),
+    "Flux fal": ("Flux", "diffusers", _dots("transformer."), PEFT, "Flux diffusers"),
+    "Flux DiffSynth": ("Flux", "diffusers", _dots(""), PEFT, "Flux diffusers"),
+    "Flux kohya-diffusers (OneTrainer)": ("Flux", "diffusers", _flat("lora_transformer_"), KOHYA,
+                                          "Flux kohya-diffusers (OneTrainer)"),
+    "Flux LyCORIS (SimpleTuner)": ("Flux", "diffusers", _flat("lycoris_"), KOHYA, "Flux LyCORIS (SimpleTuner)"),
+    "Flux XLabs": ("Flux", "xlabs", _dots(""), XLABS, "Flux XLabs"),
+    "Qwen-Image diffusers": ("Qwen-Image", "diffusers", _dots("transformer."), PEFT, "Qwen-Image diffusers"),
+    "Qwen-Image native": ("Qwen-Image", "native", _dots("diffusion_model."), KOHYA, "Qwen-Image native"),
+    "Qwen-Image kohya": ("Qwen-Image", "native", _flat("lora_unet_"), KOHYA, "Qwen-Image kohya"),
+    "Qwen-Image LyCORIS (SimpleTuner)": ("Qwen-Image", "native", _flat("lycoris_"), KOHYA,
+                                         "Qwen-Image LyCORIS (SimpleTuner)"),
+    "LTX-Video diffusers": ("LTX-Video", "diffusers", _dots("transformer."), PEFT, "LTX-Video diffusers"),
+    "LTX-Video native": ("LTX-Video", "native", _dots("diffusion_model."), KOHYA, "LTX-Video native"),
+    "LTX-Video kohya": ("LTX-Video", "native", _flat("lora_unet_"), KOHYA, "LTX-Video kohya"),
+    "Wan native": ("Wan", "native", _dots("diffusion_model."), KOHYA, "Wan native"),
+    "Wan kohya": ("Wan", "native", _flat("lora_unet_"), KOHYA, "Wan kohya"),
+    "Wan VideoX-Fun": ("Wan", "native", _flat("lora_unet__"), KOHYA, "Wan VideoX-Fun"),
+    "Wan PEFT": ("Wan", "native", _dots("base_model.model."), PEFT, "Wan PEFT"),
+    "Wan diffusers": ("Wan", "diffusers", _dots("transformer."), PEFT, "Wan diffusers"),
+}
+
+_LAYERS = {"Flux": flux_layers, "Qwen-Image": qwen_layers, "LTX-Video": ltx_layers, "Wan": wan_layers}
+
+
+def dialect_layers(dialect: str, model: nn.Module) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
+    """[(stem as written in the file, native module, rows | None, swap halves)]."""
+    family, naming, write, _, _ = DIALECT_FILES[dialect]
+    return [(write(f), n, rows, swap) for f, n, rows, swap in _LAYERS[family](model, naming)]
+
+
+def make_dialect_file(dialect: str, model: nn.Module, rank: int = 4, seed: int = 0
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(tensors of an adapter file in `dialect` for `model`, expected dense delta per native
+    module, float64 [out, in]). kohya-style files carry alpha = rank / 2 (scale 0.5), PEFT
+    and XLabs files none (scale 1)."""
+    _, _, _, style, _ = DIALECT_FILES[dialect]
+    g = torch.Generator().manual_seed(seed)
+    mods = dict(model.named_modules())
+    tensors: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    for stem, native, rows, swap in dialect_layers(dialect, model):
+        w = mods[native].weight
+        out_f, in_f = w.shape
+        lo, hi = rows if rows is not None else (0, out_f)
+        down = torch.randn(rank, in_f, generator=g) * 0.1
+        up = torch.randn(hi - lo, rank, generator=g) * 0.1
+        scale = 1.0
+        if style == KOHYA:
+            alpha = rank / 2
+            scale = alpha / rank
+            tensors[f"{stem}.lora_down.weight"] = down
+            tensors[f"{stem}.lora_up.weight"] = up
+            tensors[f"{stem}.alpha"] = torch.tensor(alpha)
+        elif style == PEFT:
+            tensors[f"{stem}.lora_A.weight"] = down
+            tensors[f"{stem}.lora_B.weight"] = up
+        else:
+            tensors[f"{stem}.down.weight"] = down
+            tensors[f"{stem}.up.weight"] = up
+        d = scale * (up.double() @ down.double())
+        if swap:
+            half = d.shape[0] // 2
+            d = torch.cat([d[half:], d[:half]])
+        full = expected.setdefault(native, torch.zeros(out_f, in_f, dtype=torch.float64))
+        full[lo:hi] += d
+    return tensors, expected
+
+
+def save_dialect_file(path, dialect: str, model: nn.Module, rank: int = 4, seed: int = 0
+                      ) -> dict[str, torch.Tensor]:
+    """Write `make_dialect_file`'s tensors to a safetensors file at `path`; return `expected`."""
+    from safetensors.torch import save_file
+
+    tensors, expected = make_dialect_file(dialect, model, rank, seed)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return expected
