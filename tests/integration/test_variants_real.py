@@ -45,10 +45,9 @@ Where ours must differ from ComfyUI, and why (each asserted exactly; same in 0.3
   file of the ||W|| convention (bit for bit) and is 20.9 dB from the ||W + s dW|| one, which ours is
   compared with. [1, in] (per-column norm of W + s dW) is the same in both: compared directly.
   Strength: both W + strength * (W' - W) (ComfyUI's rule, not PEFT's s inside the norm).
-  BUT ours cannot run a DoRA file in ComfyUI at all yet: ``lora_runtime/variants.py:145`` ``_wkey``
-  reads ``weight._version``, which raises on ComfyUI's weights (inference tensors); the ComfyUI side
-  is still checked, then the test xfails (it runs the full comparison once that is fixed).
-  ``test_dora_delta_conventions`` checks offline that our delta equals those diff files.
+  ComfyUI's weights are inference tensors (no version counter): the DoRA cache once keyed on it
+  and failed there (found by this test, fixed); ``test_dora_delta_conventions`` checks offline
+  that our delta equals those diff files, on plain and on inference-mode weights.
 
 Tolerances: ComfyUI computes each patch in fp32 and rounds it into the bf16 weight once; so does our
 merge mode: bit for bit for LoHa, the conv LoRA and the lightx2v files without modulation,
@@ -234,10 +233,6 @@ COMFY_REFS = {
 }
 OURS_REFS = {"lightx2v": "no_modulation", "lightx2v_diff_m": "diff_m_dropped"}
 # ours cannot run DoRA files in ComfyUI yet (library bug):
-XFAIL_DORA = ("lora_runtime/variants.py:145 `_wkey` reads `weight._version`, which raises 'Inference tensors do "
-              "not track version counter' on ComfyUI's weights (created under torch.inference_mode): every DoRA "
-              "file fails in KSampler (policy.share -> wrapper.delta_rows -> DoRA.delta -> _dora_delta -> _wkey)")
-
 
 @pytest.mark.parametrize("kind", VARIANT_KINDS)
 def test_variant_file_matches_comfyui_loader(assets, no_adapter, version, kind):
@@ -289,12 +284,7 @@ def test_variant_file_matches_comfyui_loader(assets, no_adapter, version, kind):
     if kind in OURS_REFS:
         p.ours("21", extra[OURS_REFS[kind]], "dynamic")
         p.ours("31", extra[OURS_REFS[kind]], "merge")
-    try:
-        rec, out = run(assets, p)
-    except AssertionError as e:  # conftest.PromptFailed
-        if kind.startswith("dora") and "Inference tensors do not track version counter" in str(e):
-            pytest.xfail(XFAIL_DORA)  # the ComfyUI side above was checked; ours runs once the bug is fixed
-        raise
+    rec, out = run(assets, p)
     dyn, mrg = out["20"], out["30"]
     ours_line = (f"  ours vs {target_name}: dynamic {fmt(dyn, target)}, merge {fmt(mrg, target)}; "
              f"vs no adapter: dynamic {fmt(dyn, no_adapter)} ({rel_diff(dyn, no_adapter):.1%}), "
@@ -339,13 +329,12 @@ def test_variant_file_matches_comfyui_loader(assets, no_adapter, version, kind):
 # DoRA offline (this process, no server): what ours computes, and the inference-tensor bug
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["dora_out", "dora_in"])
-@pytest.mark.parametrize("inference", [False, pytest.param(True, marks=pytest.mark.xfail(
-    raises=RuntimeError, strict=True, reason=XFAIL_DORA))], ids=["plain_weight", "inference_weight"])
+@pytest.mark.parametrize("inference", [False, True], ids=["plain_weight", "inference_weight"])
 def test_dora_delta_conventions(reference, tmp_path, kind, inference):
     """Our DoRA delta (default: norm of W + s dW) == dora_as_diff(..., "merged"), the full-diff file the
     ComfyUI test above compares ours with; comfy_quirk=True == the "original" (ComfyUI) convention for
-    [out, 1]; [1, in] is the same in both. On a weight made under torch.inference_mode (as ComfyUI's
-    are) DoRA.delta raises (the library bug that makes the DoRA cases above xfail)."""
+    [out, 1]; [1, in] is the same in both; also on a weight made under torch.inference_mode (as
+    ComfyUI's are: no version counter)."""
     import sys
     sys.path.insert(0, str(REPO))
     from lora_runtime import variants
