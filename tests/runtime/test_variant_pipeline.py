@@ -349,3 +349,11 @@ def test_dora_on_inference_mode_weights(tmp_path, kind, mode):
             y = layer(x)
         assert torch.equal(layer.weight, w0)
     assert rel(y, truth) < 2e-6
+
+
+def test_row_dora_says_which_norm_it_uses(tmp_path):
+    from comfyui_lora_runtime.lora_runtime import load_adapter
+    out = load_adapter(write(tmp_path / "o.safetensors", "dora_out", parts_of("dora_out")))
+    assert any("||W + s·ΔW||" in n and "ComfyUI" in n for n in out.notes)
+    col = load_adapter(write(tmp_path / "i.safetensors", "dora_in", parts_of("dora_in")))
+    assert not any("DoRA" in n for n in col.notes)  # per-column: the same in ComfyUI, PEFT and LyCORIS
