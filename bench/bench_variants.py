@@ -9,6 +9,8 @@ Same parameter count per linear (Wan2.1-1.3B FFN shapes, 1536 -> 8960 and 8960 -
   lora      rank 16:                        16 (in + out) parameters
   loha      hada ranks 8 x 8:                2 x 8 (in + out)      -> a rank-64 Khatri-Rao pair
   lokr      w1 full [8, 8] (x) w2 = w2_a [out/8, r] w2_b [r, in/8], r chosen to match the count
+  lokr/16   the same with w1 [16, 16]. A Kronecker update costs in*out/b flops per token (b = w1's
+            columns) whatever its parameter count: 12.5 % of the base GEMM at b = 8, 6.25 % at 16
   dora      rank-16 LoRA + a magnitude per output row (PEFT layout: per-row norm path)
 Target (issue 13): LoHa / LoKr dynamic <= 1.15x plain LoRA on the CPU.
 
@@ -53,6 +55,10 @@ def make_variants(out_f: int, in_f: int, seed: int = 0) -> dict[str, variants.Va
                               _rnd(out_f, k, seed=seed + 6), _rnd(k, in_f, seed=seed + 7), alpha=4.0),
         "lokr": variants.LoKr(w1=_rnd(8, 8, seed=seed + 8, scale=1.0), w2_a=_rnd(c, r_kr, seed=seed + 9),
                               w2_b=_rnd(r_kr, d, seed=seed + 10), alpha=float(r_kr)),
+        "lokr/16": variants.LoKr(w1=_rnd(16, 16, seed=seed + 14, scale=1.0),
+                                 w2_a=_rnd(out_f // 16, r16 := max(1, round((n_params - 256) / (out_f // 16 + in_f // 16))),
+                                           seed=seed + 15),
+                                 w2_b=_rnd(r16, in_f // 16, seed=seed + 16), alpha=float(r16)),
         "dora": variants.DoRA(variants.LoRA(_rnd(r, in_f, seed=seed + 11), _rnd(out_f, r, seed=seed + 12), alpha=8.0),
                               _rnd(out_f, 1, seed=seed + 13).abs() + 1.0),
     }

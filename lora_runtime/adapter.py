@@ -345,6 +345,9 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         if la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full):
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
+    if any(isinstance(la.variant, variants.DoRA) and la.variant.axis == "out" for la in layers.values()):
+        notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
+                     "ComfyUI's LoraLoader divides by ||W|| instead, so its images differ from these")
     if not layers:
         raise AdapterFormatError(
             f"{p.name} has no adapter weights this loader understands (e.g. {list(tensors)[:3]}); "

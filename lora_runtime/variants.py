@@ -142,8 +142,17 @@ def _as_linear(t: Tensor, stem: str, name: str) -> Tensor:
 
 
 def _wkey(weight: Tensor) -> tuple:
-    """Identity of a base weight for the DoRA caches (storage, in-place version, layout)."""
-    return (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, str(weight.device))
+    """Identity of a base weight for the DoRA caches (storage, in-place version, layout).
+
+    Tensors made under ``torch.inference_mode`` (ComfyUI loads its weights that way) keep
+    no version counter: their key is storage and layout only, and whoever changes such a
+    weight in place clears the caches (`clear_cache`; the LoRA wrapper does on every
+    merge, restore and new slot)."""
+    try:
+        version = weight._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = "inference"
+    return (weight.data_ptr(), version, tuple(weight.shape), weight.dtype, str(weight.device))
 
 
 class Variant(abc.ABC):

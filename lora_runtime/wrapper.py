@@ -219,7 +219,7 @@ class LoraLinear(nn.Module):
             raise ValueError(f"{self.layer_name}: adapter {name!r} is already attached")
         self._require_unmerged("add an adapter")
         self.slots[name] = AdapterSlot(name, layer, float(strength), enabled, content_hash=content_hash)
-        self._invalidate()
+        self._weight_changed()
 
     def remove_adapter(self, name: str) -> None:
         self._require_unmerged("remove an adapter")
@@ -234,6 +234,15 @@ class LoraLinear(nn.Module):
     def set_enabled(self, name: str, enabled: bool) -> None:
         self._require_unmerged("enable/disable an adapter")
         self.slots[name].enabled = bool(enabled)
+        self._invalidate()
+
+    def _weight_changed(self) -> None:
+        """The base weight may differ from what weight-dependent updates (DoRA norms) cached:
+        a new run, or a merge / restore here. Inference tensors keep no version counter, so
+        the caches are cleared explicitly."""
+        for s in self.slots.values():
+            if s.variant is not None and s.variant.needs_weight:
+                s.variant.clear_cache()
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -348,7 +357,7 @@ class LoraLinear(nn.Module):
         for s in slots:
             s.merged = True
         self._merged_names = tuple(s.name for s in slots)
-        self._invalidate()
+        self._weight_changed()
 
     def unmerge(self) -> None:
         if not self.merged:
@@ -360,7 +369,7 @@ class LoraLinear(nn.Module):
             s.frozen_delta = None
         self._restore = None
         self._merged_names = ()
-        self._invalidate()
+        self._weight_changed()
 
     @property
     def restore_bytes(self) -> int:

@@ -42,3 +42,163 @@ def save_adapter_file(sd, path, *, header_low_byte_0x80=False):
         if (path.read_bytes()[0] == 0x80) == header_low_byte_0x80:
             return
     raise AssertionError("could not steer the safetensors header length")
+
+
+# ---------------------------------------------------------------------------
+# adapter variants (test_variants_real.py): LoHa, LoKr, full diffs, norm/parameter
+# deltas, a conv LoRA and DoRA, in ComfyUI-native keys (diffusion_model.<module>.<part>)
+# ---------------------------------------------------------------------------
+VARIANT_KINDS = ("loha", "loha_cp", "lokr_w1_w2ab", "lokr_w1ab_w2", "lokr_tucker", "full_diff", "lora_diff_b",
+                 "lightx2v", "lightx2v_diff_m", "conv_patch_embedding", "dora_out", "dora_in")
+
+
+def _kron_split(n):
+    """(p, q) with p * q == n for a LoKr side: 4 for 128, 8 for 512."""
+    p = 4 if n == DIM else 8
+    return p, n // p
+
+
+def _target_std(fan_in):
+    return 0.5 / math.sqrt(fan_in)  # the update is about half the weight's own scale (as write_kohya_lora)
+
+
+def _rescale(delta, fan_in):
+    return _target_std(fan_in) / float(delta.std())
+
+
+def load_base_weights(model_path):
+    """The reference model's tensors as fp32 (its own names, no diffusion_model. prefix)."""
+    from safetensors.torch import load_file
+    return {k: v.float() for k, v in load_file(str(model_path)).items()}
+
+
+def _lora_factors(g, fan_in, fan_out, rank, alpha, up_scale=0.5):
+    down = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
+    up = torch.randn(fan_out, rank, generator=g) * (up_scale * math.sqrt(rank) / alpha)
+    return down, up
+
+
+def write_variant_file(path, kind, *, seed, model_path=None):
+    """One adapter file of `kind` (VARIANT_KINDS) on the tiny Wan; returns the state dict
+    written (fp32). `model_path` (the reference model) is needed for the DoRA kinds: their
+    magnitude is the merged weight's norm times (1 + 0.2 N(0, 1)), clamped to >= 0.5."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    P = "diffusion_model."
+    mods = list(_wan_modules())
+    if kind in ("loha", "loha_cp"):
+        r, alpha = 4, 2.0
+        for name, fi, fo in mods:
+            if kind == "loha":
+                w1a, w1b = torch.randn(fo, r, generator=g), torch.randn(r, fi, generator=g)
+                w2a, w2b = torch.randn(fo, r, generator=g), torch.randn(r, fi, generator=g)
+                d = (w1a @ w1b) * (w2a @ w2b) * (alpha / r)
+            else:  # CP: w_a [r, out], t [r, r, 1, 1], w_b [r, in]; factor = w_a^T t w_b
+                w1a, w1b = torch.randn(r, fo, generator=g), torch.randn(r, fi, generator=g)
+                w2a, w2b = torch.randn(r, fo, generator=g), torch.randn(r, fi, generator=g)
+                t1, t2 = torch.randn(r, r, 1, 1, generator=g), torch.randn(r, r, 1, 1, generator=g)
+                d = (w1a.t() @ t1[:, :, 0, 0] @ w1b) * (w2a.t() @ t2[:, :, 0, 0] @ w2b) * (alpha / r)
+                sd[f"{P}{name}.hada_t1"], sd[f"{P}{name}.hada_t2"] = t1, t2
+            w1a = w1a * _rescale(d, fi)  # the update is linear in w1_a
+            sd.update({f"{P}{name}.hada_w1_a": w1a, f"{P}{name}.hada_w1_b": w1b, f"{P}{name}.hada_w2_a": w2a,
+                       f"{P}{name}.hada_w2_b": w2b, f"{P}{name}.alpha": torch.tensor(alpha)})
+    elif kind in ("lokr_w1_w2ab", "lokr_w1ab_w2", "lokr_tucker"):
+        r, alpha = 4, 2.0
+        for name, fi, fo in mods:
+            (a, c), (b, dd) = _kron_split(fo), _kron_split(fi)
+            if kind == "lokr_w1_w2ab":
+                w1 = torch.randn(a, b, generator=g)
+                w2a, w2b = torch.randn(c, r, generator=g), torch.randn(r, dd, generator=g)
+                w2, scale = w2a @ w2b, alpha / r
+                w1 = w1 * _rescale(torch.kron(w1, w2) * scale, fi)
+                sd.update({f"{P}{name}.lokr_w1": w1, f"{P}{name}.lokr_w2_a": w2a, f"{P}{name}.lokr_w2_b": w2b})
+            elif kind == "lokr_w1ab_w2":
+                r1 = 2
+                w1a, w1b = torch.randn(a, r1, generator=g), torch.randn(r1, b, generator=g)
+                w2, scale = torch.randn(c, dd, generator=g), alpha / r1
+                w1a = w1a * _rescale(torch.kron(w1a @ w1b, w2) * scale, fi)
+                sd.update({f"{P}{name}.lokr_w1_a": w1a, f"{P}{name}.lokr_w1_b": w1b, f"{P}{name}.lokr_w2": w2})
+            else:  # Tucker: w2 = w2_a^T t2 w2_b with w2_a [r, c], t2 [r, r, 1, 1], w2_b [r, d]
+                w1 = torch.randn(a, b, generator=g)
+                w2a, w2b = torch.randn(r, c, generator=g), torch.randn(r, dd, generator=g)
+                t2 = torch.randn(r, r, 1, 1, generator=g)
+                w2, scale = w2a.t() @ t2[:, :, 0, 0] @ w2b, alpha / r
+                w1 = w1 * _rescale(torch.kron(w1, w2) * scale, fi)
+                sd.update({f"{P}{name}.lokr_w1": w1, f"{P}{name}.lokr_w2_a": w2a, f"{P}{name}.lokr_w2_b": w2b,
+                           f"{P}{name}.lokr_t2": t2})
+            sd[f"{P}{name}.alpha"] = torch.tensor(alpha)
+    elif kind == "full_diff":
+        for name, fi, fo in mods:
+            sd[f"{P}{name}.diff"] = torch.randn(fo, fi, generator=g) * _target_std(fi)
+            sd[f"{P}{name}.diff_b"] = torch.randn(fo, generator=g) * 0.05
+    elif kind in ("lora_diff_b", "lightx2v", "lightx2v_diff_m"):
+        r, alpha = 4, 4.0
+        for name, fi, fo in mods:
+            down, up = _lora_factors(g, fi, fo, r, alpha)
+            sd.update({f"{P}{name}.lora_down.weight": down, f"{P}{name}.lora_up.weight": up,
+                       f"{P}{name}.alpha": torch.tensor(alpha)})
+            if kind == "lora_diff_b":
+                sd[f"{P}{name}.diff_b"] = torch.randn(fo, generator=g) * 0.05
+        if kind != "lora_diff_b":
+            m = "diff" if kind == "lightx2v" else "diff_m"
+            for b in range(BLOCKS):
+                if kind == "lightx2v":  # norm deltas as .diff / .diff_b
+                    sd[f"{P}blocks.{b}.norm3.diff"] = torch.randn(DIM, generator=g) * 0.2
+                    sd[f"{P}blocks.{b}.norm3.diff_b"] = torch.randn(DIM, generator=g) * 0.1
+                    sd[f"{P}blocks.{b}.self_attn.norm_q.diff"] = torch.randn(DIM, generator=g) * 0.2
+                else:  # as .w_norm / .b_norm
+                    sd[f"{P}blocks.{b}.norm3.w_norm"] = torch.randn(DIM, generator=g) * 0.2
+                    sd[f"{P}blocks.{b}.norm3.b_norm"] = torch.randn(DIM, generator=g) * 0.1
+                    sd[f"{P}blocks.{b}.cross_attn.norm_k.w_norm"] = torch.randn(DIM, generator=g) * 0.2
+                sd[f"{P}blocks.{b}.modulation.{m}"] = torch.randn(1, 6, DIM, generator=g) * 0.1
+            sd[f"{P}head.modulation.{m}"] = torch.randn(1, 2, DIM, generator=g) * 0.1
+    elif kind == "conv_patch_embedding":  # LoCon: down [r, 16, 1, 2, 2], up [128, r, 1, 1, 1]
+        r, alpha, cin = 4, 4.0, 16
+        fan_in = cin * 4
+        down = torch.randn(r, cin, 1, 2, 2, generator=g) / math.sqrt(fan_in)
+        up = torch.randn(DIM, r, 1, 1, 1, generator=g) * (0.5 * math.sqrt(r) / alpha)
+        sd.update({f"{P}patch_embedding.lora_down.weight": down, f"{P}patch_embedding.lora_up.weight": up,
+                   f"{P}patch_embedding.alpha": torch.tensor(alpha)})
+    elif kind in ("dora_out", "dora_in"):
+        base = load_base_weights(model_path)
+        r, alpha = 4, 4.0
+        for name, fi, fo in mods:
+            # dW about twice the weight's own scale: ||W + s dW|| and ||W|| differ by about 2x
+            down, up = _lora_factors(g, fi, fo, r, alpha, up_scale=2.0)
+            wc = base[f"{name}.weight"] + (up @ down) * (alpha / r)
+            if kind == "dora_out":
+                n = wc.norm(dim=1, keepdim=True)  # [out, 1]
+            else:
+                n = wc.norm(dim=0, keepdim=True)  # [1, in]
+            mag = n * (1.0 + 0.2 * torch.randn(n.shape, generator=g)).clamp(min=0.5)
+            sd.update({f"{P}{name}.lora_down.weight": down, f"{P}{name}.lora_up.weight": up,
+                       f"{P}{name}.alpha": torch.tensor(alpha), f"{P}{name}.dora_scale": mag})
+    else:
+        raise ValueError(kind)
+    save_adapter_file({k: v.contiguous() for k, v in sd.items()}, path)
+    return sd
+
+
+def dora_as_diff(sd, model_path, convention):
+    """The DoRA file `sd` (kohya LoRA + dora_scale, fp32) as a file of full `.diff` keys,
+    W' - W with W' = m * (W + s dW) / (n + eps), computed here in fp32 from the bf16 base:
+    convention "merged": n = norm of W + s dW (PEFT / LyCORIS; per row for [out, 1], per
+    column for [1, in]); "original": n = per-row norm of the ORIGINAL W (what ComfyUI's
+    weight_decompose does for an [out, 1] magnitude)."""
+    base = load_base_weights(model_path)
+    eps = torch.finfo(torch.float32).eps
+    out = {}
+    for k in [k for k in sd if k.endswith(".dora_scale")]:
+        stem = k[:-len(".dora_scale")]
+        name = stem[len("diffusion_model."):]
+        down, up = sd[f"{stem}.lora_down.weight"], sd[f"{stem}.lora_up.weight"]
+        alpha = float(sd[f"{stem}.alpha"])
+        w = base[f"{name}.weight"]
+        wc = w + (up @ down) * (alpha / down.shape[0])
+        m = sd[k]
+        if m.shape[0] == w.shape[0]:  # [out, 1]
+            n = (w if convention == "original" else wc).norm(dim=1, keepdim=True)
+        else:
+            n = wc.norm(dim=0, keepdim=True)
+        out[f"{stem}.diff"] = wc * (m / (n + eps)) - w
+    return out

@@ -329,3 +329,31 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     wrong = x.double() @ (w0.double() + 0.5 * torch.cat([full[:d], torch.zeros(2 * d, d, dtype=torch.float64)])).T
     assert rel(y_dyn, wrong + lin.bias.double()) > 1e-2
     assert not sliced.fusable
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "merge", "auto"])
+@pytest.mark.parametrize("kind", ["dora_out", "dora_in"])
+def test_dora_on_inference_mode_weights(tmp_path, kind, mode):
+    """ComfyUI creates its weights under torch.inference_mode: they keep no version counter.
+    DoRA (whose delta depends on the weight) must still load, decide, merge and restore."""
+    with torch.inference_mode():
+        model = TinyWanLike()
+    layer = model.get_submodule(LAYER)
+    w0 = layer.weight.detach().clone()
+    p = parts_of(kind)
+    path = write(tmp_path / f"{kind}.safetensors", kind, p)
+    x = rnd(3, 7, IN, seed=42, scale=1.0)
+    truth = x.double() @ (w0.double() + STRENGTH * truth_delta(kind, p, w0)).T + layer.bias.double()
+    with torch.inference_mode():
+        with applied(model, plan(model, [AdapterSpec(path, STRENGTH)], mode, "lossless"), fusion_backend=None):
+            y = layer(x)
+        assert torch.equal(layer.weight, w0)
+    assert rel(y, truth) < 2e-6
+
+
+def test_row_dora_says_which_norm_it_uses(tmp_path):
+    from comfyui_lora_runtime.lora_runtime import load_adapter
+    out = load_adapter(write(tmp_path / "o.safetensors", "dora_out", parts_of("dora_out")))
+    assert any("||W + s·ΔW||" in n and "ComfyUI" in n for n in out.notes)
+    col = load_adapter(write(tmp_path / "i.safetensors", "dora_in", parts_of("dora_in")))
+    assert not any("DoRA" in n for n in col.notes)  # per-column: the same in ComfyUI, PEFT and LyCORIS
