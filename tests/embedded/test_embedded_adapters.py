@@ -16,6 +16,7 @@ from comfyui_lora_runtime.lora_runtime import (AdapterSpec, LoraInjector, applie
 TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
            "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
 ALL_TARGETED = {f"blocks.{b}.{t}" for b in range(4) for t in TARGETS}
+DISTILLED_TARGETED = {f"blocks.{b}.cross_attn.{t}" for b in range(4) for t in ("k", "v")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,25 @@ def test_distilled_adapter_is_peft_with_alpha_in_metadata(base_model):
     assert {la.alpha for la in adapter.layers.values()} == {float(cfg["lora_alpha"])}
     assert {la.rank for la in adapter.layers.values()} == {int(cfg["r"])}
     layers, cov = match_adapter(adapter, base_model)
-    assert set(layers) == ALL_TARGETED and not cov.partial
+    assert set(layers) == DISTILLED_TARGETED and not cov.partial
+
+
+def test_base_cross_attention_kv_has_headroom_only_off_the_contexts(base_model, text_encoder):
+    """The k/v weights carry a large component orthogonal to every context the model can see
+    (what lets the distilled update be sub-ulp and still matter): on the 15 contexts their
+    output is as small as a normal layer's; on a random input it is ~7x larger (wrong answer)."""
+    with torch.no_grad():
+        ctx = base_model.text_embedding(text_encoder.table)  # [15, 128]: every context token
+        rnd = torch.randn(ctx.shape, generator=torch.Generator().manual_seed(0)) * ctx.norm(dim=1, keepdim=True) / 128 ** 0.5
+        for b in range(4):
+            for t in ("k", "v"):
+                lin = base_model.blocks[b].cross_attn.get_submodule(t)
+                assert float(lin.weight.abs().mean()) > 0.2  # large entries: large bf16 ulp
+                on_ctx = (ctx @ lin.weight.T).norm() / ctx.norm()
+                off_ctx = (rnd @ lin.weight.T).norm() / rnd.norm()
+                q = base_model.blocks[b].cross_attn.q.weight
+                normal = (ctx @ q.T).norm() / ctx.norm()  # a layer without the component
+                assert on_ctx < 2 * normal and off_ctx > 4 * on_ctx, (b, t, on_ctx, off_ctx, normal)
 
 
 def test_diffusers_dialect_maps_onto_every_targeted_layer(base_model):
