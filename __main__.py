@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: run the embedded workflows under every merge mode and tier, "
                                     "write the images, a contact sheet and a table of decisions")
     d.add_argument("--output", metavar="DIR", default="output/demo", help="output directory (default output/demo)")
-    d.add_argument("--steps", type=int, default=20, help="sampler steps (default 20)")
+    d.add_argument("--steps", type=int, default=20,
+                   help="sampler steps of the reference runs (default 20; the distilled runs use 4)")
     d.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 

@@ -4,16 +4,25 @@
 
 Runs the saved API workflows in workflows/ on the bundled host with the embedded
 tiny Wan 2.1 model stored in bfloat16 (as ComfyUI stores it on a GPU, so merge
-rounding is real), then writes into the output folder: every image, a labelled
-contact sheet (contact_sheet.png) and decisions.json, and prints a table of the
-decisions (mode chosen, share a merge would lose, tier, fusions, time per step) with
-each image's mean absolute difference to the image without adapter.
+rounding is real), then writes into the output folder: every image, a contact sheet
+(contact_sheet.png) whose rows say what each run proves, and decisions.json; and
+prints a table of the decisions (mode chosen, share a merge would lose, tier,
+fusions, time per step), each image's mean absolute difference to its reference
+run, and the same "what it proves" line.
+
+The two things the project is about, as pictures:
+- the style adapter (an update a merge keeps) under `auto` is merged, and every mode
+  and tier gives the same outlined glyphs;
+- the distilled few-step adapter (an update below a bf16 ulp) under `auto` stays
+  dynamic, so 4 steps at CFG 1 look like the base's 20 steps at CFG 5, while a
+  forced merge rounds most of it away and gives the base's blurry 4-step image back.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +34,51 @@ from .host.bundled.workflow_format import set_widget_value
 
 ROOT = Path(__file__).resolve().parent
 WORKFLOWS = ROOT / "workflows"
+FEW_STEPS = 4  # what the distilled adapter is for: 4 steps at CFG 1
+PROMPTS = ("red 2", "green 5", "blue 8", "white 7")  # one digit per colour; each prompt is one execution
+BATCH = 2  # images per prompt (seeded noise of the workflow's seed)
 
-# (label, workflow, overrides {node: {input: value}})
+
+@dataclass(frozen=True)
+class Run:
+    key: str            # short id (file prefix, decisions.json)
+    workflow: str       # workflows/<workflow>.api.json
+    proves: str         # the row's label; {share} and {mad} are filled in from the run
+    reference: str      # key of the run its mean |diff| is measured against
+    # overrides by node class: {class_type: {input: value}}; node ids are looked up in the workflow
+    overrides: dict = field(default_factory=dict)
+    share_of: str | None = None  # key of the run whose measured share lost {share} shows (a forced merge measures none)
+
+
+def _few(mode: str | None = None) -> dict:
+    o = {"LoraRuntimeSampler": {"steps": FEW_STEPS, "cfg": 1.0}}
+    if mode:
+        o["LoraRuntimeMergeMode"] = {"mode": mode}
+    return o
+
+
 RUNS = [
-    ("no adapter", "embedded_base", {}),
-    ("style auto", "embedded_style", {}),
-    ("style merge", "embedded_style", {"3": {"mode": "merge"}}),
-    ("style dynamic", "embedded_style", {"3": {"mode": "dynamic"}}),
-    ("style dyn exact", "embedded_style", {"3": {"mode": "dynamic"}, "4": {"tier": "exact"}}),
-    ("style dyn high", "embedded_style", {"3": {"mode": "dynamic"}, "4": {"tier": "high"}}),
-    ("style diffusers keys", "embedded_style_diffusers", {}),
-    ("distilled auto cfg1", "embedded_distilled", {}),
-    ("distilled merge cfg1", "embedded_distilled", {"3": {"mode": "merge"}}),
-    ("distilled half cfg1", "embedded_distilled_first_half", {}),  # strength_schedule '0:1, 0.5:0'
-    ("base cfg1", "embedded_base", {"8": {"cfg": 1.0}}),
+    Run("base", "embedded_base", "base, 20 steps CFG 5: the reference", "base"),
+    Run("style_auto", "embedded_style", "style, auto -> merge ({share} lost): outlined", "base"),
+    Run("style_merge", "embedded_style", "style, forced merge: same outline", "base",
+        {"LoraRuntimeMergeMode": {"mode": "merge"}}),
+    Run("style_dynamic", "embedded_style", "style, dynamic: same outline", "base",
+        {"LoraRuntimeMergeMode": {"mode": "dynamic"}}),
+    Run("style_dyn_exact", "embedded_style", "style, dynamic, tier exact: the reference path", "base",
+        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "exact"}}),
+    Run("style_dyn_high", "embedded_style", "style, dynamic, tier high: close to exact", "base",
+        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "high"}}),
+    Run("style_diffusers", "embedded_style_diffusers", "style, diffusers keys: same as kohya keys", "base"),
+    Run("base_4", "embedded_base", f"base, {FEW_STEPS} steps CFG 1: blurry", "base", _few()),
+    Run("distilled_auto", "embedded_distilled",
+        f"distilled, auto -> dynamic (a merge would lose {{share}}): {FEW_STEPS} steps sharper (|d| {{mad}} vs base {FEW_STEPS})",
+        "base_4", _few()),
+    Run("distilled_merge", "embedded_distilled",
+        "distilled, forced merge: {share} rounded away -> blurry again (|d| {mad} vs base 4)", "base_4", _few("merge"),
+        share_of="distilled_auto"),
+    Run("distilled_half", "embedded_distilled_first_half",
+        f"distilled on the first half of the steps only (schedule '0:1, 0.5:0'): auto keeps it dynamic "
+        f"(|d| {{mad}} vs base {FEW_STEPS})", "base_4", _few()),
 ]
 
 
@@ -52,62 +92,88 @@ def _load(name: str) -> dict:
     return json.loads((WORKFLOWS / f"{name}.api.json").read_text())
 
 
+def node_id(prompt: dict, class_type: str) -> str:
+    """The id of the one node of ``class_type`` in an API prompt (ValueError if none or several)."""
+    ids = [nid for nid, node in prompt.items() if node.get("class_type") == class_type]
+    if len(ids) != 1:
+        raise ValueError(f"expected one {class_type} node in the workflow, found {len(ids)} ({ids})")
+    return ids[0]
+
+
+def run_one(run: Run, out: Path, classes: dict, folders, steps: int) -> dict:
+    """Every prompt of PROMPTS through the run's workflow; images in prompt order."""
+    files, reports, wall = [], [], 0.0
+    for text in PROMPTS:
+        prompt = _load(run.workflow)
+        ui_wf = json.loads((WORKFLOWS / f"{run.workflow}.ui.json").read_text())
+        sampler = node_id(prompt, "LoraRuntimeSampler")
+        positive = str(prompt[sampler]["inputs"]["positive"][0])  # the text node feeding the sampler's positive
+        latent = str(prompt[sampler]["inputs"]["latent_image"][0])
+        slug = run.key + "_" + text.replace(" ", "_")
+        changes = {sampler: {"steps": steps}, node_id(prompt, "SaveImage"): {"filename_prefix": slug},
+                   positive: {"text": text}, latent: {"batch_size": BATCH}}
+        for class_type, values in run.overrides.items():
+            changes.setdefault(node_id(prompt, class_type), {}).update(values)
+        for nid, values in changes.items():  # to both, so each PNG's workflow reproduces it
+            prompt[nid]["inputs"].update(values)
+            for name, value in values.items():
+                set_widget_value(ui_wf, nid, name, value, classes)
+        t0 = time.perf_counter()
+        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf}, unet_dtype="bf16")
+        wall += time.perf_counter() - t0
+        files += res.saved_files()
+        reports.append(res.ui[sampler]["lora_report"][0])
+    images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    return {"run": run.key, "workflow": run.workflow, "report": reports[-1],
+            "prompts": [t for t in PROMPTS for _ in range(BATCH)],
+            "steps": prompt[sampler]["inputs"]["steps"], "cfg": prompt[sampler]["inputs"]["cfg"],
+            "files": files, "wall_seconds": wall, "images": images}
+
+
 def run_demo(output: str | os.PathLike, steps: int = 20) -> int:
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     classes = _classes()
     folders = folder_paths.ModelFolders(output_dir=out)
-    rows, sheet = [], []
-    for label, wf, overrides in RUNS:
-        prompt = _load(wf)
-        ui_wf = json.loads((WORKFLOWS / f"{wf}.ui.json").read_text())
-        slug = label.replace(" ", "_")
-        changes = {"8": {"steps": steps}, "10": {"filename_prefix": slug}}
-        for node, values in overrides.items():
-            changes.setdefault(node, {}).update(values)
-        for node, values in changes.items():  # to both, so each PNG's workflow reproduces it
-            prompt[node]["inputs"].update(values)
-            for name, value in values.items():
-                set_widget_value(ui_wf, node, name, value, classes)
-        t0 = time.perf_counter()
-        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf},
-                             unet_dtype="bf16")
-        wall = time.perf_counter() - t0
-        report = res.ui["8"]["lora_report"][0]
-        files = res.saved_files()
-        images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
-        rows.append({"run": label, "workflow": wf, "report": report, "files": files, "wall_seconds": wall})
-        sheet.append((label, images))
-    base = {lbl: imgs for lbl, imgs in sheet}
-    for row, (label, imgs) in zip(rows, sheet):
-        ref = base["base cfg1"] if "cfg1" in label else base["no adapter"]
-        row["mean_abs_diff_vs_base"] = float(np.abs(imgs.astype(np.float64) - ref.astype(np.float64)).mean())
-    _contact_sheet(sheet, out / "contact_sheet.png")
-    (out / "decisions.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(_table(rows))
+    rows = []
+    for run in RUNS:
+        few = run.overrides.get("LoraRuntimeSampler", {}).get("steps")
+        rows.append(run_one(run, out, classes, folders, few or steps))
+    by_key = {r["run"]: r for r in rows}
+    for run, row in zip(RUNS, rows):
+        ref = by_key[run.reference]["images"]
+        row["reference"] = run.reference
+        row["mean_abs_diff_vs_reference"] = float(np.abs(row["images"].astype(np.float64) - ref.astype(np.float64)).mean())
+        share = (by_key[run.share_of or run.key]["report"].get("decision") or {}).get("share_lost")
+        row["proves"] = run.proves.format(share="-" if share is None else f"{share:.0%}",
+                                          mad=f"{row['mean_abs_diff_vs_reference']:.1f}")
+    contact_sheet([(r["proves"], r["images"]) for r in rows], out / "contact_sheet.png")
+    (out / "decisions.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "images"} for r in rows],
+                                                   indent=1, default=str))
+    print(table(rows))
     print(f"\nimages, contact_sheet.png and decisions.json in {out}")
     return 0
 
 
-def _table(rows) -> str:
-    head = f"{'run':22} {'adapter':38} {'mode':8} {'chosen':8} {'lost':>6} {'tier':8} {'fusions':>7} " \
-           f"{'s/step':>7} {'patch s':>7} {'|d| vs base':>11}"
+def table(rows) -> str:
+    head = f"{'run':16} {'steps':>5} {'cfg':>4} {'mode':8} {'chosen':8} {'lost':>5} {'tier':8} {'fus':>3} " \
+           f"{'s/step':>6} {'|d|':>5} {'vs':7} what it proves"
     lines = [head, "-" * len(head)]
     for r in rows:
         rep = r["report"]
         dec = rep.get("decision") or {}
         share = dec.get("share_lost")
-        adapters = ", ".join(f"{a['name']}" for a in rep["adapters"]) or "-"
         lines.append(
-            f"{r['run']:22} {adapters[:38]:38} {rep['mode_requested']:8} {dec.get('chosen', '-'):8} "
-            f"{(f'{share:.0%}' if share is not None else '-'):>6} {rep['tier']:8} {rep['fusions']['mounted']:>7} "
-            f"{rep['seconds_per_step']:>7.3f} {rep['patch_seconds']:>7.3f} {r['mean_abs_diff_vs_base']:>11.2f}")
+            f"{r['run']:16} {r['steps']:>5} {r['cfg']:>4.1f} {rep['mode_requested']:8} {dec.get('chosen', '-'):8} "
+            f"{(f'{share:.0%}' if share is not None else '-'):>5} {rep['tier']:8} {rep['fusions']['mounted']:>3} "
+            f"{rep['seconds_per_step']:>6.3f} {r['mean_abs_diff_vs_reference']:>5.1f} {r['reference']:7} {r['proves']}")
     return "\n".join(lines)
 
 
-def _contact_sheet(sheet, path: Path, per_row: int = 4, scale: int = 2) -> None:
+def contact_sheet(sheet, path: Path, per_row: int = 8, scale: int = 2) -> None:
+    """One row per run: its label (what it proves) above its first ``per_row`` images."""
     cell = 64 * scale
-    label_h = 18
+    label_h = 16
     w = per_row * cell
     h = len(sheet) * (cell + label_h)
     img = Image.new("RGB", (w, h), (24, 24, 24))

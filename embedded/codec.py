@@ -21,6 +21,13 @@ Contract
   components leave (+1.7 dB) at no cost.
 * ``fit(images)`` computes the PCA (float64 eigendecomposition of the patch
   covariance) and the tone curve; ``save``/``load`` use safetensors (float32).
+* Optional learned decoder (``fit_decoder``): a 3x3 conv over the latent grid and
+  two 1x1 convs (16 -> 192 -> 192 -> 192 per patch) that add a correction to the
+  linear reconstruction. The encoder stays the PCA (the DiT's latent space does
+  not change); the decoder sees each patch's neighbours, so it can tell the
+  glyph's colour and edges the 16 components blur (26 -> 31 dB on held-out
+  glyphs), and it is trained on noisy latents so sampled latents decode clean.
+  When present it replaces the tone curve.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..host.bundled import latent_format
 
@@ -40,6 +48,8 @@ LATENT_CHANNELS = 16
 PATCH_DIM = PATCH * PATCH * 3
 TONE_BINS = 64
 TONE_LO, TONE_HI = -0.3, 1.3
+DECODER_HIDDEN = 192
+DECODER_KEYS = ("dec.c1.weight", "dec.c1.bias", "dec.c2.weight", "dec.c2.bias", "dec.c3.weight", "dec.c3.bias")
 
 
 def to_patches(images: torch.Tensor) -> torch.Tensor:
@@ -69,6 +79,64 @@ class TinyCodec:
         self.mean = mean.to(torch.float32).contiguous()  # [192]
         self.scale = float(scale)
         self.tone = None if tone is None else tone.to(torch.float32).contiguous()  # [64] or None (linear)
+        self.decoder: dict[str, torch.Tensor] | None = None  # learned correction (DECODER_KEYS) or None
+
+    def set_decoder(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        if tensors is not None:
+            h = DECODER_HIDDEN
+            want = {"dec.c1.weight": (h, LATENT_CHANNELS, 3, 3), "dec.c1.bias": (h,), "dec.c2.weight": (h, h, 1, 1),
+                    "dec.c2.bias": (h,), "dec.c3.weight": (PATCH_DIM, h, 1, 1), "dec.c3.bias": (PATCH_DIM,)}
+            for k, shape in want.items():
+                if k not in tensors or tuple(tensors[k].shape) != shape:
+                    got = tuple(tensors[k].shape) if k in tensors else "missing"
+                    raise ValueError(f"codec decoder tensor {k}: {got}; expected {shape}")
+            tensors = {k: tensors[k].to(torch.float32).contiguous() for k in DECODER_KEYS}
+        self.decoder = tensors
+
+    @staticmethod
+    def decoder_correction(params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+        """Model-space latent [B, 16, 8, 8] -> per-patch pixel correction [B, 8, 8, 192]."""
+        h = F.gelu(F.conv2d(z, params["dec.c1.weight"], params["dec.c1.bias"], padding=1))
+        h = F.gelu(F.conv2d(h, params["dec.c2.weight"], params["dec.c2.bias"]))
+        return F.conv2d(h, params["dec.c3.weight"], params["dec.c3.bias"]).permute(0, 2, 3, 1)
+
+    def fit_decoder(self, images: torch.Tensor, steps: int, seed: int, batch: int = 96, lr: float = 2e-3,
+                    noise_std: float = 0.1, log_every: int = 250) -> None:
+        """Train the learned decoder on ``images`` [N, 64, 64, 3] (float 0..1), deterministic from ``seed``.
+        Half of each batch gets latent noise of a random std up to ``noise_std`` (sampled latents are noisy)."""
+        import math
+
+        gen = torch.Generator().manual_seed(seed)
+        h = DECODER_HIDDEN
+        c1, c2, c3 = (torch.nn.Conv2d(LATENT_CHANNELS, h, 3, padding=1), torch.nn.Conv2d(h, h, 1),
+                      torch.nn.Conv2d(h, PATCH_DIM, 1))
+        with torch.no_grad():  # seeded init (not the global RNG); the correction starts at zero
+            for conv in (c1, c2):
+                bound = 1.0 / math.sqrt(conv.weight[0].numel())
+                conv.weight.copy_((torch.rand(conv.weight.shape, generator=gen) * 2 - 1) * bound)
+                conv.bias.zero_()
+            c3.weight.zero_()
+            c3.bias.zero_()
+        params = {"dec.c1.weight": c1.weight, "dec.c1.bias": c1.bias, "dec.c2.weight": c2.weight,
+                  "dec.c2.bias": c2.bias, "dec.c3.weight": c3.weight, "dec.c3.bias": c3.bias}
+        opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
+        x = images.to(torch.float32)
+        z_all = self.encode_model(x)  # [N, 16, 1, 8, 8]
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            idx = torch.randint(0, x.shape[0], (batch,), generator=gen)
+            z = z_all[idx]
+            noisy = torch.rand(batch, 1, 1, 1, 1, generator=gen) * noise_std * (torch.arange(batch) % 2).view(-1, 1, 1, 1, 1)
+            z = z + noisy * torch.randn(z.shape, generator=gen)
+            out = self._decode_with(params, z)
+            loss = F.mse_loss(out, x[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step % log_every == 0 or step == steps - 1:
+                logger.info("codec decoder step %d/%d loss %.5f", step, steps, loss.item())
+        self.set_decoder({k: v.detach().clone() for k, v in params.items()})
 
     # -- fitting / files -----------------------------------------------------------
     @classmethod
@@ -102,6 +170,8 @@ class TinyCodec:
               "scale": torch.tensor([self.scale], dtype=torch.float32)}
         if self.tone is not None:
             sd["tone"] = self.tone
+        if self.decoder is not None:
+            sd.update(self.decoder)
         save_file(sd, str(path), metadata={"format": "tiny_codec_pca8"})  # one key: byte-reproducible header
 
     @classmethod
@@ -113,9 +183,15 @@ class TinyCodec:
             raise ValueError(f"{path}: the codec is stored as .safetensors")
         sd = load_file(str(path))
         try:
-            return cls(sd["components"], sd["mean"], float(sd["scale"].reshape(-1)[0]), sd.get("tone"))
+            codec = cls(sd["components"], sd["mean"], float(sd["scale"].reshape(-1)[0]), sd.get("tone"))
         except KeyError as exc:
             raise ValueError(f"{path}: not a TinyCodec file (missing {exc})") from None
+        if any(k.startswith("dec.") for k in sd):
+            try:
+                codec.set_decoder({k: v for k, v in sd.items() if k.startswith("dec.")})
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
+        return codec
 
     # -- model-space (single scale) ------------------------------------------------
     def encode_model(self, images: torch.Tensor) -> torch.Tensor:
@@ -128,6 +204,8 @@ class TinyCodec:
         """Model-space latent [B, 16, 1, 8, 8] -> IMAGE [B, 64, 64, 3] clamped to 0..1."""
         if z.ndim != 5 or z.shape[1] != LATENT_CHANNELS or tuple(z.shape[3:]) != (GRID, GRID):
             raise ValueError(f"latent must be [B, {LATENT_CHANNELS}, 1, {GRID}, {GRID}], got {tuple(z.shape)}")
+        if self.decoder is not None:
+            return self._decode_with(self.decoder, z).clamp(0.0, 1.0)
         rec = self._linear_images(z)
         if self.tone is None:
             return rec.clamp(0.0, 1.0)
@@ -135,6 +213,12 @@ class TinyCodec:
         i0 = pos.floor().long().clamp(max=TONE_BINS - 2)
         frac = pos - i0
         return (self.tone[i0] * (1 - frac) + self.tone[i0 + 1] * frac).clamp(0.0, 1.0)
+
+    def _decode_with(self, params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+        # model-space latent [B, 16, 1, 8, 8] -> linear reconstruction + learned correction (unclamped)
+        zz = z[:, :, 0].to(torch.float32)  # [B, 16, 8, 8]
+        lin = zz.permute(0, 2, 3, 1) * self.scale @ self.components + self.mean  # [B, 8, 8, 192]
+        return from_patches(lin + self.decoder_correction(params, zz))
 
     def _linear_images(self, z: torch.Tensor) -> torch.Tensor:
         # model-space latent [B, 16, 1, 8, 8] -> unclamped linear reconstruction [B, 64, 64, 3]

@@ -1,7 +1,16 @@
-"""The runtime report a LoRA Sampler run returns: for the node UI, the log and the CLI."""
+"""The runtime report a LoRA Sampler run returns: for the node UI, the log and the CLI.
+
+Its shape is defined once, in ``web/lora_report.schema.json`` (``SCHEMA_PATH``): ``build``
+returns it, ``text`` reads only the fields it requires, the web formatter shows it, and
+the tests of all three validate against that file. Additional properties are allowed.
+"""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..lora_runtime import ApplyReport
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.schema.json"
 
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
