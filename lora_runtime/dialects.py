@@ -4,8 +4,7 @@ Contract
 --------
 ``resolve(stem, modules, *, prefer=None) -> Target | None``
 
-- ``stem``: a file key with its part suffix removed (``split_key`` below / in
-  ``key_formats``), e.g. ``transformer.transformer_blocks.0.attn.to_q``,
+- ``stem``: a file key with its part suffix removed (``key_formats.split_key``), e.g. ``transformer.transformer_blocks.0.attn.to_q``,
   ``lora_unet_double_blocks_0_img_attn_qkv``, ``double_blocks.0.processor.qkv_lora1``.
 - ``modules``: ``dict(model.named_modules())`` of the diffusion model itself (what
   ComfyUI calls ``model.diffusion_model``: names like ``double_blocks.0.img_attn.qkv``).
@@ -33,7 +32,7 @@ dialect most of the stems are written in (from the same `DIALECTS` table that
 `resolve` labels targets with); never ``"unknown"`` when a stem resolved.
 ``guess_family`` is re-exported from ``key_formats`` unchanged.
 
-For the loader: split keys with this module's `split_key` (it also knows XLabs'
+For the loader: split keys with `split_key` (``key_formats``; it also knows XLabs'
 ``*_lora1.down.weight`` and PEFT's ``.lora_B.bias``), group them by stem, call
 `resolve_all` once per file, check ``up`` has ``rows[1] - rows[0]`` rows (the module's
 out_features when ``rows`` is None) and ``down`` the module's in_features, refuse
@@ -74,8 +73,7 @@ Where the facts come from (facts only; no code is shared with these projects):
   ``scripts/convert_ltx_to_diffusers.py`` ``TRANSFORMER_KEYS_RENAME_DICT``
   (``patchify_proj`` -> ``proj_in``, ``adaln_single`` -> ``time_embed``, ``q_norm``
   -> ``norm_q``, ``k_norm`` -> ``norm_k``).
-- Wan: the table that ``key_formats.WAN_DIFFUSERS_TO_NATIVE`` holds (tests check both
-  agree), diffusers ``scripts/convert_wan_to_diffusers.py``
+- Wan: diffusers ``scripts/convert_wan_to_diffusers.py``
   ``TRANSFORMER_KEYS_RENAME_DICT`` (``modulation`` -> ``scale_shift_table``,
   ``head.modulation`` -> ``scale_shift_table``, native ``norm3`` <-> diffusers
   ``norm2``, ``img_emb.proj.N`` -> ``condition_embedder.image_embedder.*``);
@@ -97,8 +95,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from . import key_formats
-from .key_formats import guess_family  # noqa: F401  (re-exported; behaviour unchanged)
+from .key_formats import guess_family, split_key  # noqa: F401  (re-exported for the loader)
 
 __all__ = ["Target", "Dialect", "DIALECTS", "resolve", "resolve_all", "dialect_name", "split_key",
            "model_family", "guess_family", "overlaps"]
@@ -149,26 +146,6 @@ def _split_prefix(stem: str) -> tuple[str, str, bool]:
             # trailing '_' (lora_unet_single_transformer_blocks_0_attn_to_k_)
             return p, s[len(p):].strip("_"), True
     return (kind or ""), s, False
-
-
-# --- part suffixes: key_formats' plus XLabs' and PEFT lora_bias ---------------------
-
-_EXTRA_SUFFIXES: list[tuple[re.Pattern, str]] = [
-    # XLabs: double_blocks.0.processor.qkv_lora1.down.weight (comfy/lora_convert.py convert_uso_lora)
-    (re.compile(r"(?<=_lora[12])\.down\.weight$|(?<=_lora)\.down\.weight$"), "down"),
-    (re.compile(r"(?<=_lora[12])\.up\.weight$|(?<=_lora)\.up\.weight$"), "up"),
-    # PEFT lora_bias / BFL control LoRA: an output offset (ComfyUI maps it to diff_b)
-    (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.bias$"), "diff_b"),
-]
-
-
-def split_key(key: str) -> tuple[str, str, str | None] | None:
-    """`key_formats.split_key`, plus XLabs ``*_lora1.down.weight`` and ``.lora_B.bias``."""
-    for pattern, part in _EXTRA_SUFFIXES:
-        m = pattern.search(key)
-        if m:
-            return key[: m.start()], part, m.groupdict().get("slot")
-    return key_formats.split_key(key)
 
 
 # --- family tables -----------------------------------------------------------------

@@ -102,9 +102,10 @@ def test_diffusers_dialect_maps_onto_every_targeted_layer(base_model):
         assert torch.equal(la.down, ka.down) and torch.equal(la.up, ka.up)
         assert la.alpha_over_rank == ka.alpha_over_rank
     # wrong answer: with the dialect mapping undone the names match nothing
-    from comfyui_lora_runtime.lora_runtime.key_formats import candidate_names
-    assert candidate_names("transformer.blocks.0.attn1.to_q", {})[0] == "blocks.0.attn1.to_q"
-    assert "blocks.0.attn1.to_q" not in dict(base_model.named_modules())
+    from comfyui_lora_runtime.lora_runtime.dialects import resolve
+    mods = dict(base_model.named_modules())
+    assert resolve("transformer.blocks.0.attn1.to_q", mods).module == "blocks.0.self_attn.q"
+    assert "blocks.0.attn1.to_q" not in mods
 
 
 # -- rounding loss -----------------------------------------------------------------------

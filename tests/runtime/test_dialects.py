@@ -165,9 +165,9 @@ def test_norm_conv_and_parameter_targets():
     for key in ("diffusion_model.blocks.0.modulation.diff_m", "diffusion_model.blocks.0.norm3.w_norm",
                 "diffusion_model.blocks.0.norm3.diff_b", "lora_unet_blocks_0_norm3.b_norm"):
         parts = D.split_key(key)
-        if parts is not None:    # diff_m / w_norm / b_norm: key_formats' parts (main since fa6659e)
-            t = D.resolve(parts[0], wan)
-            assert t is not None and t.module in ("blocks.0.modulation", "blocks.0.norm3"), key
+        assert parts is not None, key
+        t = D.resolve(parts[0], wan)
+        assert t is not None and t.module in ("blocks.0.modulation", "blocks.0.norm3"), key
     t = D.resolve(stem, wan)
     assert t == D.Target("blocks.0.modulation", None, "Wan native", param=True)
     assert D.resolve("diffusion_model.head.modulation", wan).param
@@ -277,11 +277,11 @@ def test_split_key_extras():
     assert D.split_key("double_blocks.0.processor.qkv_lora1.down.weight") == ("double_blocks.0.processor.qkv_lora1", "down", None)
     assert D.split_key("single_blocks.3.processor.proj_lora.up.weight") == ("single_blocks.3.processor.proj_lora", "up", None)
     assert D.split_key("transformer.x_embedder.lora_B.bias") == ("transformer.x_embedder", "diff_b", None)
-    assert D.split_key("lora_unet_img_in.lora_down.weight") == key_formats.split_key("lora_unet_img_in.lora_down.weight")
+    assert D.split_key("lora_unet_img_in.lora_down.weight") == ("lora_unet_img_in", "down", None)
     assert D.split_key("a.b.weight") is None
 
 
-# --- Wan: the same behaviour as key_formats.candidate_names ------------------------------
+# --- Wan: every naming of every linear resolves to it -----------------------------------
 
 
 def _variants(name):
@@ -293,27 +293,34 @@ def _variants(name):
 
 
 @pytest.mark.parametrize("model_cls", [TinyWanLike, M.TinyWan])
-def test_wan_matches_candidate_names(model_cls):
-    model = model_cls()
-    mods = dict(model.named_modules())
-    linears = {n: m for n, m in mods.items() if isinstance(m, nn.Linear)}
-    by_underscore = {n.replace(".", "_"): n for n in linears}
-    for name in linears:
+def test_wan_every_naming_resolves(model_cls):
+    mods = dict(model_cls().named_modules())
+    for name in [n for n, m in mods.items() if isinstance(m, nn.Linear)]:
         for stem in _variants(name):
-            old = next((c for c in key_formats.candidate_names(stem, by_underscore) if c in linears), None)
             t = D.resolve(stem, mods)
             assert t is not None and t.module == name and t.rows is None, (stem, t)
-            if old is not None:
-                assert old == t.module, stem
 
 
-def test_wan_table_holds_key_formats_renames():
-    """Every rename of key_formats.WAN_DIFFUSERS_TO_NATIVE resolves the same way here."""
+# diffusers' Wan names -> ComfyUI's (diffusers scripts/convert_wan_to_diffusers.py), written out here
+WAN_RENAMES = [
+    ("blocks.1.attn1.to_q", "blocks.1.self_attn.q"), ("blocks.1.attn1.to_k", "blocks.1.self_attn.k"),
+    ("blocks.1.attn1.to_v", "blocks.1.self_attn.v"), ("blocks.1.attn1.to_out.0", "blocks.1.self_attn.o"),
+    ("blocks.1.attn2.to_q", "blocks.1.cross_attn.q"), ("blocks.1.attn2.to_k", "blocks.1.cross_attn.k"),
+    ("blocks.1.attn2.to_v", "blocks.1.cross_attn.v"), ("blocks.1.attn2.to_out.0", "blocks.1.cross_attn.o"),
+    ("blocks.1.attn2.add_k_proj", "blocks.1.cross_attn.k_img"), ("blocks.1.attn2.add_v_proj", "blocks.1.cross_attn.v_img"),
+    ("blocks.1.ffn.net.0.proj", "blocks.1.ffn.0"), ("blocks.1.ffn.net.2", "blocks.1.ffn.2"),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("proj_out", "head.head"),
+]
+
+
+def test_wan_diffusers_renames():
     wan = dict(M.TinyWan().named_modules())
-    for rx, repl in key_formats.WAN_DIFFUSERS_TO_NATIVE:
-        src = rx.pattern.strip("^$").replace("\\.", ".")
-        diffusers = ("blocks.1" + src) if src.startswith(".") else src
-        native = ("blocks.1" + repl) if repl.startswith(".") else repl
+    for diffusers, native in WAN_RENAMES:
         assert native in wan, native
         t = D.resolve("transformer." + diffusers, wan)
         assert t is not None and t.module == native and t.dialect == "Wan diffusers", (diffusers, t)
