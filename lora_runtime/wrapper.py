@@ -387,31 +387,51 @@ class LoraLinear(nn.Module):
         if not dyn and not offsets:
             return y  # nothing live (no adapter, all off, or merged without offset)
         ctx = current_context()
-        rs = ctx.scale if ctx is not None else 1.0
-        if rs == 0.0:
+        if ctx is not None and ctx.scale == 0.0:
             return y
-        if ctx is not None and ctx.adapters is not None:  # issue 12: this call's per-adapter factors
-            return self._scheduled_forward(x, y, dyn, offsets, ctx)
+        # this call's runtime scale and row mask per slot: the context's scale, times a strength
+        # schedule and a CFG-branch mask when the sampler set them (issue 12, schedule.py)
+        f = {s.name: self.call_factor(s, ctx) for s in (*dyn, *offsets)}
+        if ctx is not None and ctx.adapters is not None:  # slots scheduled to 0 this call: base bits
+            dyn = [s for s in dyn if f[s.name][0] != 0.0]
+            offsets = [s for s in offsets if f[s.name][0] != 0.0]
         if self.is_conv:
-            return self._conv_forward(x, y, dyn, offsets, rs, ctx)
+            return self._conv_forward(x, y, dyn, offsets, f, ctx)
         if folds_scales(ctx):
             # DoRA (per-row norm) needs x W^T: read it off the base output before anything is
             # added to it (y - bias) instead of a second base GEMM; reference path: recomputed
-            first = [(s, self._slot_delta(x, s, rs, ctx, y0=self._base_out_nobias(y)))
-                     for s in dyn if s.variant.needs_base_output]
+            dora = [s for s in dyn if s.variant.needs_base_output]
+            y0 = self._base_out_nobias(y) if dora else None
+            first = [self._masked(self._slot_delta(x, s, f[s.name][0], ctx, y0=y0), f[s.name][1]) for s in dora]
             plain = [s for s in dyn if s.is_plain_lora]
             if plain:
-                y = self._stacked_delta(x, y, plain, rs)
-            for _, d in first:
+                f0 = f[plain[0].name]
+                if f0[1] is None and all(f[s.name] == f0 for s in plain):
+                    y = self._stacked_delta(x, y, plain, f0[0])  # uniform: scale rides as addmm_'s alpha
+                else:
+                    y = self._stacked_delta_per_slot(x, y, plain, [f[s.name] for s in plain])
+            for d in first:
                 y = y.add_(d) if _can_add_inplace(y) else y + d
             dyn = [s for s in dyn if not s.is_plain_lora and not s.variant.needs_base_output]
         for s in dyn:
             # the delta is a fresh tensor, scaled in place; accumulate in place too (same bits)
-            d = self._slot_delta(x, s, rs, ctx)
+            d = self._masked(self._slot_delta(x, s, f[s.name][0], ctx), f[s.name][1])
             y = y.add_(d) if _can_add_inplace(y) else y + d
+        return self._add_offsets(y, offsets, f, ctx)
+
+    def _masked(self, d: torch.Tensor, mask) -> torch.Tensor:
+        """The delta on the rows of this call's chosen CFG branch only (exact: the last factor)."""
+        return d if mask is None else d * _rows(mask, d, self.layer_name)
+
+    def _add_offsets(self, y: torch.Tensor, offsets, f, ctx) -> torch.Tensor:
+        """diff_b output offsets (cached and shared: never in place); on a conv, per channel."""
         for s in offsets:
-            off = s.variant.bias_delta(y.device, y.dtype)  # cached and shared: never in place
-            y = y + scale_delta(off, (s.strength, rs), ctx)
+            rs, mask = f[s.name]
+            off = s.variant.bias_delta(y.device, y.dtype)
+            if self.is_conv:
+                off = off.reshape(-1, *([1] * (y.dim() - 2)))
+            off = scale_delta(off, (s.strength, rs), ctx)
+            y = y + (off if mask is None else off * _rows(mask, y, self.layer_name))
         return y
 
     def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -437,10 +457,10 @@ class LoraLinear(nn.Module):
             return v.forward_delta(x, s.strength * rs, base_out_nobias=y0, weight=w, include_bias=False)
         return scale_delta(v.forward_delta(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
 
-    def _conv_forward(self, x, y, dyn, offsets, rs, ctx):
+    def _conv_forward(self, x, y, dyn, offsets, f, ctx):
         """Conv layers: each live slot's dense kernel delta (strength folded in, cached per
         strength/device/dtype: a patch embedding's kernel is small) through the layer's own
-        convolution geometry, then the runtime scale."""
+        convolution geometry, then its runtime scale and row mask."""
         conv = self.get_base_layer()
         fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[conv.weight.dim() - 2]
         for s in dyn:
@@ -449,13 +469,12 @@ class LoraLinear(nn.Module):
             if k is None:
                 d = s.variant.delta(x.device, torch.float32)
                 k = self._stack_cache[key] = d.mul_(s.strength).reshape(conv.weight.shape).to(x.dtype)
-            d = fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-            d = scale_delta(d, (rs,), ctx, inplace=True)
+            rs, mask = f[s.name]
+            d = scale_delta(fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups), (rs,), ctx,
+                            inplace=True)
+            d = self._masked(d, mask)
             y = y.add_(d) if _can_add_inplace(y) else y + d
-        for s in offsets:
-            off = s.variant.bias_delta(y.device, y.dtype).reshape(-1, *([1] * (y.dim() - 2)))
-            y = y + scale_delta(off, (s.strength, rs), ctx)
-        return y
+        return self._add_offsets(y, offsets, f, ctx)
 
     def plain_stack(self, device, dtype, slots: list[AdapterSlot] | None = None):
         """Stacked (A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None).
@@ -530,47 +549,6 @@ class LoraLinear(nn.Module):
         if not _can_add_inplace(y):
             y = y.contiguous() if not y.requires_grad else y.clone()
         y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
-        return y
-
-    def _scheduled_forward(self, x, y, dyn, offsets, ctx) -> torch.Tensor:
-        """The forward's delta when the call carries per-adapter factors (issue 12, schedule.py):
-        the same paths with each slot's own runtime scale; slots at 0 are skipped (base bits),
-        a row mask zeroes the delta on the other branch's rows.
-        exact: per slot ((x A^T) B^T) * alpha/rank * strength * runtime scale, then * row mask.
-        lossless/high: plain LoRA slots stacked as before; uniform factors keep the one-GEMM-pair
-        path with the scale as the GEMM's alpha (no extra op: a scheduled adapter costs what a
-        constant one does), else a per-rank factor and the row mask on the small [T, R] tensor."""
-        f = {s.name: self.call_factor(s, ctx) for s in (*dyn, *offsets)}
-        dyn = [s for s in dyn if f[s.name][0] != 0.0]
-        offsets = [s for s in offsets if f[s.name][0] != 0.0]
-        if self.is_conv:  # per slot through the conv path; a row mask on its [N, C, ...] delta
-            for args in [([s], []) for s in dyn] + [([], [s]) for s in offsets]:
-                rs, mask = f[(args[0] or args[1])[0].name]
-                if mask is None:
-                    y = self._conv_forward(x, y, *args, rs, ctx)
-                else:
-                    d = self._conv_forward(x, torch.zeros_like(y), *args, rs, ctx)
-                    y = y + d * _rows(mask, d, self.layer_name)
-            return y
-        if folds_scales(ctx):
-            plain = [s for s in dyn if s.is_plain_lora]
-            if plain:
-                first = f[plain[0].name]
-                if first[1] is None and all(f[s.name] == first for s in plain):
-                    y = self._stacked_delta(x, y, plain, first[0])
-                else:
-                    y = self._stacked_delta_per_slot(x, y, plain, [f[s.name] for s in plain])
-            dyn = [s for s in dyn if not s.is_plain_lora]
-        for s in dyn:
-            rs, mask = f[s.name]
-            d = self._slot_delta(x, s, rs, ctx)
-            if mask is not None:
-                d = d * _rows(mask, d, self.layer_name)
-            y = y.add_(d) if _can_add_inplace(y) else y + d
-        for s in offsets:
-            rs, mask = f[s.name]
-            off = scale_delta(s.variant.bias_delta(y.device, y.dtype), (s.strength, rs), ctx)
-            y = y + (off if mask is None else off * _rows(mask, y, self.layer_name))
         return y
 
     def _stacked_delta_per_slot(self, x, y, slots, factors) -> torch.Tensor:
