@@ -12,11 +12,8 @@ reported and logged, never silent.
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,16 +131,8 @@ class LayerAdapter:
         return self.inner.rank if isinstance(self.inner, variants.LoRA) else 0
 
     @property
-    def rslora(self) -> bool:
-        return bool(getattr(self.inner, "rslora", False))
-
-    @property
     def alpha_over_rank(self) -> float:
         return self.variant.scale if self.variant is not None else 1.0
-
-    @property
-    def has_lowrank(self) -> bool:
-        return isinstance(self.inner, variants.LoRA)
 
     @property
     def dora_scale(self):

@@ -63,3 +63,12 @@ class SiteZoo(nn.Module):
 
 
 FC1 = ["blocks.0.ffn.0", "ff.net.0.proj", "mlp.fc1"]
+
+
+def routes_of(mounted) -> dict:
+    """Calls per route, summed over the mounted sites."""
+    out: dict = {}
+    for s in mounted.sites:
+        for k, v in s.routes.items():
+            out[k] = out.get(k, 0) + v
+    return out

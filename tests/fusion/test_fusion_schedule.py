@@ -9,7 +9,7 @@ from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, r
 from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
 
 from _fixtures import lora_pair, write_kohya
-from _sites import FC1, SiteZoo
+from _sites import FC1, SiteZoo, routes_of
 
 POS_ROWS = torch.tensor([0.0, 0.0, 1.0, 1.0])  # CFG batch, negative rows first
 
@@ -40,13 +40,13 @@ def test_fused_site_takes_the_scheduled_scale_and_runs_per_branch_unfused(tmp_pa
             fused = {}
             with runtime_context(adapters={"a": (0.5, None)}):
                 fused[0.5] = model(x)
-            r_half = dict(_routes(mounted))
+            r_half = dict(routes_of(mounted))
             with runtime_context(adapters={"a": (0.0, None)}):
                 fused[0.0] = model(x)
-            r_zero = dict(_routes(mounted))
+            r_zero = dict(routes_of(mounted))
             with runtime_context(adapters={"a": (1.0, POS_ROWS.to(dev))}):
                 fused["pos"] = model(x)
-            r_pos = dict(_routes(mounted))
+            r_pos = dict(routes_of(mounted))
             mounted.unmount()
     finally:
         inj.clear()
@@ -63,9 +63,3 @@ def test_fused_site_takes_the_scheduled_scale_and_runs_per_branch_unfused(tmp_pa
     assert torch.equal(fused["pos"], unfused["pos"])                   # unfused route: the same eager path
 
 
-def _routes(mounted):
-    out = {}
-    for s in mounted.sites:
-        for k, v in s.routes.items():
-            out[k] = out.get(k, 0) + v
-    return out

@@ -9,8 +9,8 @@ from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, applied
 from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.fusion_sites import find_sites, mount_fusions
 
-from _fixtures import assert_lossless, lora_pair, write_kohya
-from _sites import FC1, SiteZoo
+from _fixtures import lora_pair, write_kohya
+from _sites import FC1, SiteZoo, routes_of
 
 SITES = ["blocks.0.ffn", "ff.net.0", "mlp"]
 
@@ -46,7 +46,7 @@ def test_unmount_restores_output_bit_for_bit(tmp_path):
         mounted.unmount()
         after = model(x)
     assert torch.equal(before, after)
-    assert _routes(mounted) == {"lora_fused": 3}
+    assert routes_of(mounted) == {"lora_fused": 3}
     assert not torch.equal(before, during)  # the fused path really ran (fp32 epilogue, one rounding)
     assert all("forward" not in s.spec.module.__dict__ for s in mounted.sites)
     inj.clear()
@@ -65,12 +65,6 @@ def test_exact_tier_mounts_nothing_and_exact_context_never_fuses(tmp_path):
     assert sum(sum(s.routes.values()) for s in mounted.sites) == sum(s.routes["unfused"] for s in mounted.sites) == 3
 
 
-def _routes(mounted):
-    out = {}
-    for s in mounted.sites:
-        for k, v in s.routes.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def test_call_guard_follows_the_adapter_state(tmp_path):
@@ -85,7 +79,7 @@ def test_call_guard_follows_the_adapter_state(tmp_path):
         with torch.no_grad(), runtime_context(tier="lossless"):
             model(x)
         m.unmount()
-        cases[label] = _routes(m)
+        cases[label] = routes_of(m)
     inj.clear()
     assert cases["dynamic"] == {"lora_fused": 3}
     assert cases["off"] == {"base_fused": 3}     # strength 0: nothing to add, base epilogue is right
@@ -102,7 +96,7 @@ def test_active_adapter_without_the_lora_kernel_goes_unfused(tmp_path):
         m = mount_fusions(model, "lossless", backend="torch", only=["linear_gelu_tanh"])
         y = model(x)
         m.unmount()
-    assert _routes(m) == {"unfused": 3} and torch.equal(y, ref)
+    assert routes_of(m) == {"unfused": 3} and torch.equal(y, ref)
     inj.clear()
 
 

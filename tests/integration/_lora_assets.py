@@ -6,6 +6,21 @@ import torch
 from safetensors.torch import save_file
 
 DIM, FFN, BLOCKS = 128, 512, 2  # the reference tiny Wan (tests/data/comfyui-0.3.64)
+MODEL = "tiny_wan_d128_l2.safetensors"
+LATENT_TAG = "ZZLoraRuntimeTestLatentTag"
+
+
+def sampling_graph(cond_class: str, tag: str) -> dict:
+    """The API-prompt nodes every sampling test starts from: the reference tiny Wan (node 1),
+    positive / zero conditioning (2, 3) from the test node pack's `cond_class`, a 64x64
+    one-frame latent (4) and its tag node (40)."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL, "weight_dtype": "default"}},
+        "2": {"class_type": cond_class, "inputs": {"which": "positive"}},
+        "3": {"class_type": cond_class, "inputs": {"which": "zeros"}},
+        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1, "batch_size": 1}},
+        "40": {"class_type": LATENT_TAG, "inputs": {"samples": ["4", 0], "tag": tag}},
+    }
 
 
 def _wan_modules():

@@ -39,10 +39,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import BLOCKS, _wan_modules, write_kohya_lora
+from _lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, sampling_graph, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
 
-MODEL = "tiny_wan_d128_l2.safetensors"
 LORA_A = "it_style_a.safetensors"     # the style adapter test_workflows_real.py writes (rank 4, alpha 4, fp32)
 LORA_B = "it/it_style_b.safetensors"  # rank 8, alpha 4, bf16, in a subfolder (same as there)
 LORA_PART = "it_any_comfy_part.safetensors"  # 5 of the 20 layers: ComfyUI's LoRA overlaps ours only there
@@ -50,7 +49,6 @@ N_LAYERS = 4 * 2 * BLOCKS + 2 * BLOCKS  # 20 Linear layers an adapter covers
 MIN_PSNR = 40.0
 MIN_EFFECT = 0.05  # an adapter moves the latent by at least this much (relative L2)
 
-LATENT_TAG = "ZZLoraRuntimeTestLatentTag"
 PARTIAL = "ZZLoraRuntimeTestPartialLoad"
 MIDRUN = "ZZLoraRuntimeTestUnloadMidRun"
 STATE = "ZZLoraRuntimeTestWeightState"
@@ -91,14 +89,7 @@ class Prompt:
 
     def __init__(self, cond_class):
         self.tag = next(_counter)
-        self.p = {
-            "1": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL, "weight_dtype": "default"}},
-            "2": {"class_type": cond_class, "inputs": {"which": "positive"}},
-            "3": {"class_type": cond_class, "inputs": {"which": "zeros"}},
-            "4": {"class_type": "EmptyHunyuanLatentVideo",
-                  "inputs": {"width": 64, "height": 64, "length": 1, "batch_size": 1}},
-            "40": {"class_type": LATENT_TAG, "inputs": {"samples": ["4", 0], "tag": f"any-sampler-{self.tag}"}},
-        }
+        self.p = sampling_graph(cond_class, f"any-sampler-{self.tag}")
         self.samplers: dict[str, str] = {}  # sampler node -> its SaveLatent node
 
     def node(self, nid, class_type, **inputs) -> list:

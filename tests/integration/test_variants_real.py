@@ -64,17 +64,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import (BLOCKS, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights, save_adapter_file,
-                          write_variant_file)
+from _lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights,
+                          sampling_graph, save_adapter_file, write_variant_file)
 from safetensors.torch import load as load_safetensors_bytes
 
-MODEL = "tiny_wan_d128_l2.safetensors"
 STRENGTH = 0.8
 MIN_PSNR = 40.0
 MIN_EFFECT = 0.05  # an adapter moves the latent by at least this much (relative L2)
 N_LINEARS = 10 * BLOCKS
 SETTINGS = {"seed": 42, "steps": 3, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple"}
-LATENT_TAG = "ZZLoraRuntimeTestLatentTag"
 _counter = itertools.count()
 REPO = Path(__file__).resolve().parents[2]
 
@@ -164,14 +162,7 @@ def assets(comfy, reference):
 class Prompt:
     def __init__(self, cond_class):
         self.tag = next(_counter)
-        self.p = {
-            "1": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL, "weight_dtype": "default"}},
-            "2": {"class_type": cond_class, "inputs": {"which": "positive"}},
-            "3": {"class_type": cond_class, "inputs": {"which": "zeros"}},
-            "4": {"class_type": "EmptyHunyuanLatentVideo",
-                  "inputs": {"width": 64, "height": 64, "length": 1, "batch_size": 1}},
-            "40": {"class_type": LATENT_TAG, "inputs": {"samples": ["4", 0], "tag": f"variants-{self.tag}"}},
-        }
+        self.p = sampling_graph(cond_class, f"variants-{self.tag}")
         self.saves: dict[str, str] = {}
 
     def node(self, nid, class_type, **inputs) -> list:

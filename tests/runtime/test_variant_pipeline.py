@@ -8,7 +8,6 @@ bit for bit, and `auto` decides on the variant's real delta.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
