@@ -113,7 +113,7 @@ def ui_format(graph: dict, classes: dict) -> dict:
 
 
 def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", prompt="white 7", batch=4,
-              cfg=5.0, prefix="lora_runtime/embedded", schedule=""):
+              cfg=5.0, prefix="lora_runtime/embedded", schedule="", steps=20):
     n = {1: ("UNETLoader", {"unet_name": "tiny_wan_glyphs.safetensors", "weight_dtype": "default"})}
     model = (1, 0)
     layout = {1: (0, 0)}
@@ -128,7 +128,7 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
     n[5] = ("LoraRuntimeTinyTextEncode", {"text": prompt})
     n[6] = ("LoraRuntimeTinyTextEncode", {"text": ""})
     n[7] = ("EmptyHunyuanLatentVideo", {"width": 64, "height": 64, "length": 1, "batch_size": batch})
-    n[8] = ("LoraRuntimeSampler", {"model": (4, 0), "seed": 42, "steps": 20, "cfg": cfg, "sampler_name": "euler",
+    n[8] = ("LoraRuntimeSampler", {"model": (4, 0), "seed": 42, "steps": steps, "cfg": cfg, "sampler_name": "euler",
                                    "scheduler": "simple", "positive": (5, 0), "negative": (6, 0),
                                    "latent_image": (7, 0), "denoise": 1.0})
     n[9] = ("LoraRuntimeTinyDecode", {"samples": (8, 0)})
@@ -170,14 +170,14 @@ def graphs() -> dict:
             adapter="glyph_outline_style_diffusers.safetensors", prefix="lora_runtime/style_diffusers"),
         "embedded_distilled": _embedded(
             "Embedded tiny Wan 2.1 with the distilled (CFG-free) adapter, PEFT format: its update is far below a "
-            "bf16 ulp, so auto keeps it dynamic on bf16 weights. cfg 1.", adapter="glyph_distilled_cfg.safetensors",
-            cfg=1.0, prefix="lora_runtime/distilled"),
+            "bf16 ulp, so auto keeps it dynamic on bf16 weights. 4 steps, cfg 1 (what it is distilled for).",
+            adapter="glyph_distilled_cfg.safetensors", cfg=1.0, steps=4, prefix="lora_runtime/distilled"),
     }
     g["embedded_distilled_first_half"] = _embedded(
         "Embedded tiny Wan 2.1, distilled adapter on the first half of the denoising only (strength_schedule "
         "'0:1, 0.5:0', keyframes in ComfyUI's start_percent convention), cfg 1: the strength changes at run "
-        "time with no re-merge; auto keeps the adapter dynamic because its strength varies.",
-        adapter="glyph_distilled_cfg.safetensors", cfg=1.0, prefix="lora_runtime/distilled_first_half",
+        "time with no re-merge; auto keeps the adapter dynamic because its strength varies. 4 steps.",
+        adapter="glyph_distilled_cfg.safetensors", cfg=1.0, steps=4, prefix="lora_runtime/distilled_first_half",
         schedule="0:1, 0.5:0")
     wan_loaders = {
         1: ("UNETLoader", {"unet_name": "wan2.1_t2v_1.3B_bf16.safetensors", "weight_dtype": "default"}),
