@@ -7,9 +7,9 @@ wrong answer (adapter off, forced merge, shifted labels).
 The figures: base samples right (judge >= 95 % digit and colour); the style adapter gives
 outlined glyphs (>= 95 %); the distilled adapter under `auto` stays dynamic (a merge would
 lose >= 80 % of its update) and at 4 steps, CFG 1 gives glyphs the judge reads (>= 90 %)
-that differ from the base's 4-step ones (mean |diff| >= 2 levels, measured 3.0; issue 10
-asked for 10, but the base's own 20-step CFG-5 images are only 6.9 levels from its 4-step
-ones, so no adapter can give 10 here; see models/MODEL_CARD.md) and are closer to the
+that differ from the base's 4-step ones (mean |diff| >= 4 levels, measured 5.4; issue 10
+asked for 10, but the base's own 20-step CFG-5 images are only 6.8 levels from its 4-step
+ones, so no adapter heading for them can give 10 here; see models/MODEL_CARD.md) and are closer to the
 base's 20-step CFG-5 ones; a forced merge gives back images close to the base's 4-step ones.
 """
 import json
@@ -109,9 +109,9 @@ def test_distilled_auto_stays_dynamic_and_gives_sharp_glyphs_in_4_steps(job, jud
     v = verdict(judge, job, "distilled_auto")
     assert acc(v.digit, d) >= 0.9 and acc(v.colour, c) >= 0.9
     few, dist, ref = job["images"]["base_4"], job["images"]["distilled_auto"], job["images"]["base"]
-    assert mad(dist, few) >= 2.0  # measured 3.0; the sharper strokes show on the sheet
+    assert mad(dist, few) >= 4.0  # measured 5.4 (issue 10 asked 10: see the module docstring); the bolder strokes show on the sheet
     # towards what the base needs 20 steps at CFG 5 for: closer to it than the base's 4 steps
-    assert mad(dist, ref) < 0.95 * mad(few, ref)  # measured 5.9 vs 6.9
+    assert mad(dist, ref) < 0.95 * mad(few, ref)  # measured 6.0 vs 6.8
 
 
 def test_a_forced_merge_rounds_the_distilled_adapter_away(job, judge):
@@ -121,9 +121,9 @@ def test_a_forced_merge_rounds_the_distilled_adapter_away(job, judge):
     few, dist, merged = (job["images"][k] for k in ("base_4", "distilled_auto", "distilled_merge"))
     assert job["rows"]["distilled_auto"]["report"]["decision"]["share_lost"] >= 0.8  # measured by auto
     kept = mad(merged, few) / mad(dist, few)  # share of the visible effect a merge keeps
-    assert kept <= 0.5, kept  # measured 0.37: what remains is noise from the few entries that cross an ulp
-    # the merge is closer to the base at 4 steps than to the adapter's dynamic result (1.1 vs 2.0)
-    assert mad(merged, few) < 0.75 * mad(dist, merged)
+    assert kept <= 0.4, kept  # measured 0.24: what remains is noise from the few entries that cross an ulp
+    # the merge is closer to the base at 4 steps than to the adapter's dynamic result (1.3 vs 4.4)
+    assert mad(merged, few) < 0.5 * mad(dist, merged)
 
 
 def test_sheet_and_table_say_what_each_row_proves(job):

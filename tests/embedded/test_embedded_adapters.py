@@ -47,7 +47,7 @@ def test_style_adapter_is_kohya_on_the_attention_and_ffn_linears(base_model):
     assert adapter.format == "kohya"
     layers, cov = match_adapter(adapter, base_model)
     assert set(layers) == ALL_TARGETED and not cov.partial
-    assert {la.rank for la in adapter.layers.values()} == {8}
+    assert {la.rank for la in adapter.layers.values()} == {16}
 
 
 def test_distilled_adapter_is_peft_with_alpha_in_metadata(base_model):
@@ -67,19 +67,19 @@ def test_distilled_adapter_is_peft_with_alpha_in_metadata(base_model):
 def test_base_cross_attention_kv_has_headroom_only_off_the_contexts(base_model, text_encoder):
     """The k/v weights carry a large component orthogonal to every context the model can see
     (what lets the distilled update be sub-ulp and still matter): on the 15 contexts their
-    output is of a normal layer's size; on a random input it is ~16x larger (wrong answer)."""
+    output is of a normal layer's size; on a random input it is ~60x larger (wrong answer)."""
     with torch.no_grad():
         ctx = base_model.text_embedding(text_encoder.table)  # [15, 128]: every context token
         rnd = torch.randn(ctx.shape, generator=torch.Generator().manual_seed(0)) * ctx.norm(dim=1, keepdim=True) / 128 ** 0.5
         for b in range(4):
             for t in ("k", "v"):
                 lin = base_model.blocks[b].cross_attn.get_submodule(t)
-                assert float(lin.weight.abs().mean()) > 0.2  # large entries: large bf16 ulp
+                assert float(lin.weight.abs().mean()) > 4.0  # entries ~ +-8: a bf16 ulp ~100x a trained weight's
                 on_ctx = (ctx @ lin.weight.T).norm() / ctx.norm()
                 off_ctx = (rnd @ lin.weight.T).norm() / rnd.norm()
                 q = base_model.blocks[b].cross_attn.q.weight
                 normal = (ctx @ q.T).norm() / ctx.norm()  # a layer without the component
-                # measured: on the contexts ~2x a q projection's output, off them ~16x more
+                # measured: on the contexts ~2x a q projection's output, off them ~60x more
                 assert on_ctx < 3 * normal and off_ctx > 8 * on_ctx, (b, t, on_ctx, off_ctx, normal)
 
 
@@ -137,7 +137,7 @@ def test_style_adapter_outlines_the_samples(style_images, base_images, judge, pr
     assert present >= 0.95, f"outlined with the adapter: {present:.3f}"
     assert float(vb.outlined.float().mean()) <= 0.15  # wrong answer: the base alone is not outlined
     assert float((vs.colour == colours).float().mean()) >= 0.95  # the prompt still holds
-    assert float((vs.digit == digits).float().mean()) >= 0.70  # thinner, noisier strokes: the digit mostly holds
+    assert float((vs.digit == digits).float().mean()) >= 0.90  # clean outlines: the digit holds (measured 100 % of 80)
     diff = mean_abs_diff_255(style_images, base_images)
     assert diff >= 15.0, f"on vs off mean_abs_diff {diff:.2f}"
     # per key image: white glyphs light all three channels; a red/green/blue glyph changes
