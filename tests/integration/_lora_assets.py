@@ -23,6 +23,15 @@ def sampling_graph(cond_class: str, tag: str) -> dict:
     }
 
 
+def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """dB against ``ref``, peak = ``ref``'s value range; inf when equal."""
+    a, ref = a.double(), ref.double()
+    mse = float(((a - ref) ** 2).mean())
+    if mse == 0.0:
+        return math.inf
+    peak = float(ref.max() - ref.min())
+    return 10.0 * math.log10(peak * peak / mse)
+
 def _wan_modules():
     for b in range(BLOCKS):
         for attn in ("self_attn", "cross_attn"):

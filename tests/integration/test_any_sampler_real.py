@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, sampling_graph, write_kohya_lora
+from _lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, psnr, sampling_graph, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
 
 LORA_A = "it_style_a.safetensors"     # the style adapter test_workflows_real.py writes (rank 4, alpha 4, fp32)
@@ -185,15 +184,6 @@ def run(comfy, prompt: Prompt) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def reports_sent(record) -> list[dict]:
     return [e["data"] for e in record["events"] if e["type"] == "lora_runtime.report"]
-
-
-def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    mse = float(((a - ref) ** 2).mean())
-    if mse == 0.0:
-        return math.inf
-    peak = float(ref.max() - ref.min())
-    return 10.0 * math.log10(peak * peak / mse)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

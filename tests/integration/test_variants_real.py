@@ -58,13 +58,12 @@ All ComfyUI/ours latents are 19-31 dB (20-80 % relative L2) from the no-adapter 
 from __future__ import annotations
 
 import itertools
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights,
+from _lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights, psnr,
                           sampling_graph, save_adapter_file, write_variant_file)
 from safetensors.torch import load as load_safetensors_bytes
 
@@ -93,15 +92,6 @@ assert set(KINDS) == set(VARIANT_KINDS)
 BITWISE_MERGE = {"loha", "conv_patch_embedding", "lightx2v", "lightx2v_diff_m"}  # the last two: on OURS_REFS
 # DoRA [out, 1]: ComfyUI (||W||) vs the ||W + s dW|| convention, measured 20.9 dB (both versions)
 DORA_OUT_MAX_PSNR = 30.0
-
-
-def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    mse = float(((a - ref) ** 2).mean())
-    if mse == 0.0:
-        return math.inf
-    peak = float(ref.max() - ref.min())
-    return 10.0 * math.log10(peak * peak / mse)
 
 
 def rel_diff(a, b) -> float:
