@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .host.bundled import folder_paths
+from .host.bundled import folder_paths, progress
 from .host.bundled.executor import execute_prompt
 from .host.bundled.workflow_format import set_widget_value
 
@@ -100,10 +101,51 @@ def node_id(prompt: dict, class_type: str) -> str:
     return ids[0]
 
 
-def run_one(run: Run, out: Path, classes: dict, folders, steps: int) -> dict:
+class DemoProgress:
+    """Progress of the main job on a stream (default stderr): a line when a run starts and
+    ends, and the sampler's steps of every prompt. On a terminal the step line is redrawn
+    in place; otherwise (a pipe, a CI log, a file) every step is its own flushed line, so
+    a log shows the job moving."""
+
+    def __init__(self, total_runs: int, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total_runs = total_runs
+        self.index = 0
+        self.label = ""
+        self.t0 = time.perf_counter()
+
+    def _line(self, text: str, *, redraw: bool = False) -> None:
+        if self.tty and redraw:
+            self.stream.write("\r\x1b[K" + text)
+        else:
+            self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+    def run_started(self, run: "Run", steps: int) -> None:
+        self.index += 1
+        self._line(f"run {self.index}/{self.total_runs} {run.key} ({run.workflow}, {steps} steps, "
+                   f"{len(PROMPTS)} prompts x {BATCH} images)")
+
+    def prompt_started(self, i: int, text: str) -> None:
+        self.label = f"  run {self.index}/{self.total_runs} prompt {i + 1}/{len(PROMPTS)} '{text}'"
+
+    def __call__(self, value, total, preview=None, node_id=None) -> None:  # the sampler's ProgressBar hook
+        self._line(f"{self.label}: step {value}/{total}", redraw=True)
+
+    def run_done(self, run: "Run", seconds: float) -> None:
+        self._line(f"run {self.index}/{self.total_runs} {run.key} done in {seconds:.1f} s "
+                   f"(job {time.perf_counter() - self.t0:.0f} s)")
+
+
+def run_one(run: Run, out: Path, classes: dict, folders, steps: int, bar: DemoProgress | None = None) -> dict:
     """Every prompt of PROMPTS through the run's workflow; images in prompt order."""
     files, reports, wall = [], [], 0.0
-    for text in PROMPTS:
+    if bar is not None:
+        bar.run_started(run, steps)
+    for i, text in enumerate(PROMPTS):
+        if bar is not None:
+            bar.prompt_started(i, text)
         prompt = _load(run.workflow)
         ui_wf = json.loads((WORKFLOWS / f"{run.workflow}.ui.json").read_text())
         sampler = node_id(prompt, "LoraRuntimeSampler")
@@ -119,26 +161,32 @@ def run_one(run: Run, out: Path, classes: dict, folders, steps: int) -> dict:
             for name, value in values.items():
                 set_widget_value(ui_wf, nid, name, value, classes)
         t0 = time.perf_counter()
-        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf}, unet_dtype="bf16")
+        with progress.progress_hook(bar):
+            res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf},
+                                 unet_dtype="bf16")
         wall += time.perf_counter() - t0
         files += res.saved_files()
         reports.append(res.ui[sampler]["lora_report"][0])
     images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    if bar is not None:
+        bar.run_done(run, wall)
     return {"run": run.key, "workflow": run.workflow, "report": reports[-1],
             "prompts": [t for t in PROMPTS for _ in range(BATCH)],
             "steps": prompt[sampler]["inputs"]["steps"], "cfg": prompt[sampler]["inputs"]["cfg"],
             "files": files, "wall_seconds": wall, "images": images}
 
 
-def run_demo(output: str | os.PathLike, steps: int = 20) -> int:
+def run_demo(output: str | os.PathLike, steps: int = 20, progress_stream=None) -> int:
+    """progress_stream: where DemoProgress writes (default stderr)."""
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     classes = _classes()
     folders = folder_paths.ModelFolders(output_dir=out)
+    bar = DemoProgress(len(RUNS), progress_stream)
     rows = []
     for run in RUNS:
         few = run.overrides.get("LoraRuntimeSampler", {}).get("steps")
-        rows.append(run_one(run, out, classes, folders, few or steps))
+        rows.append(run_one(run, out, classes, folders, few or steps, bar))
     by_key = {r["run"]: r for r in rows}
     for run, row in zip(RUNS, rows):
         ref = by_key[run.reference]["images"]
