@@ -49,6 +49,7 @@ class Run:
     # overrides by node class: {class_type: {input: value}}; node ids are looked up in the workflow
     overrides: dict = field(default_factory=dict)
     share_of: str | None = None  # key of the run whose measured share lost {share} shows (a forced merge measures none)
+    why: str = ""       # the sheet's second line: why the row looks as it does, where that is not plain
 
 
 def _few(mode: str | None = None) -> dict:
@@ -68,7 +69,8 @@ RUNS = [
     Run("style_dyn_exact", "embedded_style", "style, dynamic, tier exact: the reference path", "base",
         {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "exact"}}),
     Run("style_dyn_high", "embedded_style", "style, dynamic, tier high: close to exact", "base",
-        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "high"}}),
+        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "high"}},
+        why="on the CPU no kernel is fused (fus 0), so high runs lossless's path: the same images"),
     Run("style_diffusers", "embedded_style_diffusers", "style, diffusers keys: same as kohya keys", "base"),
     Run("base_4", "embedded_base", f"base, {FEW_STEPS} steps CFG 1: blurry", "base", _few()),
     Run("distilled_auto", "embedded_distilled",
@@ -79,8 +81,11 @@ RUNS = [
         share_of="distilled_auto"),
     Run("distilled_half", "embedded_distilled_first_half",
         f"distilled on the first half of the steps only (schedule '0:1, 0.5:0'): auto keeps it dynamic "
-        f"(|d| {{mad}} vs base {FEW_STEPS})", "base_4", _few()),
+        f"(|d| {{mad}} vs base {FEW_STEPS})", "base_4", _few(),
+        why=f"a small effect, as expected: the adapter acts on steps 1-2 of {FEW_STEPS} only and steps 3-4 run "
+            f"without it (on all {FEW_STEPS} steps: the distilled, auto row)"),
 ]
+LABEL_H = 28  # two text lines above each row of the contact sheet
 
 
 def _classes() -> dict:
@@ -195,7 +200,9 @@ def run_demo(output: str | os.PathLike, steps: int = 20, progress_stream=None) -
         share = (by_key[run.share_of or run.key]["report"].get("decision") or {}).get("share_lost")
         row["proves"] = run.proves.format(share="-" if share is None else f"{share:.0%}",
                                           mad=f"{row['mean_abs_diff_vs_reference']:.1f}")
-    contact_sheet([(r["proves"], r["images"]) for r in rows], out / "contact_sheet.png")
+    for run, row in zip(RUNS, rows):
+        row["note"] = sheet_note(run, row)
+    contact_sheet([(r["proves"], r["note"], r["images"]) for r in rows], out / "contact_sheet.png")
     (out / "decisions.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "images"} for r in rows],
                                                    indent=1, default=str))
     print(table(rows))
@@ -218,17 +225,28 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def sheet_note(run: Run, row: dict) -> str:
+    """The second line of a row: what its |d| is, and why it looks as it does where that is not plain."""
+    if run.reference == run.key:
+        d = "|d| = mean absolute difference in 0..255 levels, per pixel and channel, to the run named on each row"
+    else:
+        d = (f"|d| {row['mean_abs_diff_vs_reference']:.1f} = mean absolute difference in 0..255 levels "
+             f"vs '{run.reference}'")
+    return d + (f"; {run.why}" if run.why else "")
+
+
 def contact_sheet(sheet, path: Path, per_row: int = 8, scale: int = 2) -> None:
-    """One row per run: its label (what it proves) above its first ``per_row`` images."""
+    """One row per run: its label (what it proves) and a note (|d|, why) above its first ``per_row`` images."""
     cell = 64 * scale
-    label_h = 16
+    label_h = LABEL_H
     w = per_row * cell
     h = len(sheet) * (cell + label_h)
     img = Image.new("RGB", (w, h), (24, 24, 24))
     draw = ImageDraw.Draw(img)
-    for i, (label, imgs) in enumerate(sheet):
+    for i, (label, note, imgs) in enumerate(sheet):
         y = i * (cell + label_h)
         draw.text((4, y + 2), label, fill=(230, 230, 230))
+        draw.text((4, y + 15), note, fill=(160, 160, 160))
         for j, a in enumerate(imgs[:per_row]):
             tile = Image.fromarray(a).resize((cell, cell), Image.NEAREST)
             img.paste(tile, (j * cell, y + label_h))
