@@ -4,7 +4,7 @@ epilogue, and a per-branch adapter in a batched CFG call runs unfused, reported 
 import pytest
 import torch
 
-from comfyui_lora_runtime.kernels._dispatch import interpreting, triton_importable
+from comfyui_lora_runtime.kernels.registry import interpreting, triton_importable
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
 from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
 
