@@ -260,21 +260,26 @@ def plain_weight_reason(layer: nn.Module) -> str:
 
 @dataclass
 class MeasuredChoice:
-    """Per shape bucket, which of a site's paths runs. `pick(key, paths)` with `paths` an
-    ordered {name: thunk} (highest priority first): on CUDA the first call of a bucket
-    times every path on the real input (median of 3 after a warm-up) and keeps the
-    fastest for every later call of that bucket; elsewhere, or when `measure` is False,
-    the first path. `choices` holds {key: {"chosen": name, "ms": {name: ms}}}."""
-    measure: bool = True
+    """Per shape bucket, which of a site's paths runs. `pick(key, paths, device)` with
+    `paths` an ordered {name: thunk} (highest priority first): on a device in `devices`
+    (CUDA) the first call of a bucket times every path on the real input (`timer(fn, name)`:
+    ms, median of 3 after a warm-up) and keeps the fastest for every later call of that bucket;
+    elsewhere, or with one path, the first path. `choices`: {key: {"chosen", "ms"}}."""
+    devices: tuple = ("cuda",)
+    timer: Callable | None = None
     choices: dict = field(default_factory=dict)
+
+    def measures(self, device: torch.device) -> bool:
+        return torch.device(device).type in self.devices
 
     def pick(self, key: tuple, paths: dict[str, Callable], device: torch.device) -> tuple[str, dict | None]:
         names = list(paths)
-        if len(names) == 1 or device.type != "cuda" or not self.measure:
+        if len(names) == 1 or not self.measures(device):
             return names[0], None
         rec = self.choices.get(key)
         if rec is None:
-            ms = {n: round(_time_cuda(fn), 4) for n, fn in paths.items()}
+            timer = self.timer or _time_cuda
+            ms = {n: round(float(timer(fn, n)), 4) for n, fn in paths.items()}
             rec = self.choices[key] = {"chosen": min(names, key=lambda n: ms[n]), "ms": ms}
             logger.info("measured %s: %s", key, rec)
         return rec["chosen"], rec
@@ -287,7 +292,7 @@ class MeasuredChoice:
 MEASURED = MeasuredChoice()
 
 
-def _time_cuda(fn, reps: int = 3) -> float:
+def _time_cuda(fn, name: str = "", reps: int = 3) -> float:
     """Median ms of `fn` on the current CUDA stream after one warm-up call."""
     fn()
     times = []

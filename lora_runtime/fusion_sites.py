@@ -156,6 +156,7 @@ class MountedSite:
         self.speed: dict[str, dict] = {}      # measured choice per shape bucket (CUDA)
         self.dropped: dict[str, str] = {}     # "op/backend" -> why it failed its probe
         self.state: dict = {}                 # what backends keep per site (cached [W | B])
+        self.cache_bytes = 0                  # the most bytes `state` held
         module = spec.module
         if spec.kind == "sequential":
             def fwd(x, _s=self):
@@ -291,7 +292,10 @@ class MountedSite:
                 return self.unfused(fc1, x, "unfused (measured faster here)")
         self.routes[route] += 1
         self.ran[f"{route}:{name}"] += 1
-        return paths[name]()
+        y = paths[name]()
+        if name == "kconcat_cached":
+            self.cache_bytes = max(self.cache_bytes, cached_bytes(self.state))
+        return y
 
     @staticmethod
     def _eager(fc1, x):
@@ -304,9 +308,8 @@ class MountedSite:
             r["measured"] = dict(self.speed)
         if self.dropped:
             r["dropped"] = dict(self.dropped)
-        held = cached_bytes(self.state)
-        if held:
-            r["cache_bytes"] = held
+        if self.cache_bytes:
+            r["cache_bytes"] = self.cache_bytes  # the K-concat [W | B] this site held
         return r
 
 
@@ -359,9 +362,9 @@ def mount_fusions(model: nn.Module, tier, backend: str | dict = "auto",
         ok, why = static_guard(fc1)
         if ok and "auto" in requested.values():
             base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
-            if base.weight.device.type != "cuda":
-                ok, why = False, ("no CUDA device: fused paths are chosen by timing them against eager "
-                                  "on CUDA; on the CPU eager runs")
+            if not registry.MEASURED.measures(base.weight.device):
+                ok, why = False, (f"no CUDA device: fused paths are chosen by timing them against eager "
+                                  f"on CUDA; on {base.weight.device.type} eager runs")
         if not ok:
             mounted.skipped[spec.path] = why
             continue
