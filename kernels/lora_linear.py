@@ -56,6 +56,8 @@ __all__ = ["lora_linear", "lora_linear_torch", "lora_linear_eager"]
 
 Scale = float | torch.Tensor
 OP = "lora_linear"
+#: the capability of taking an [M, R] scale (a CFG row mask times per-adapter factors)
+ROW_SCALE = frozenset({"row_scale"})
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -64,12 +66,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """act(x W^T + b + ((x A^T) * scale) B^T).
 
     x [..., K], weight [N, K], bias [N] or None, lora_a [R, K], lora_b [N, R]
-    (R may be 0: no adapter), scale a float or an fp32 [R] tensor of per-rank factors.
+    (R may be 0: no adapter), scale a float, an fp32 [R] tensor of per-rank factors, or
+    an fp32 [M, R] tensor of per-row-and-rank factors (M rows of x flattened; backends
+    with the "row_scale" capability).
     `state`: a caller-owned dict a backend may keep derived tensors in (the cached
     [W | B] of "kconcat_cached"); None keeps nothing.
     """
     scale = registry.validate(OP, x, weight, bias, lora_a, lora_b, scale)
-    be = registry.resolve(OP, backend, x, weight, bias, lora_a, lora_b)
+    needs = ROW_SCALE if isinstance(scale, torch.Tensor) and scale.dim() == 2 else frozenset()
+    be = registry.resolve(OP, backend, x, weight, bias, lora_a, lora_b, needs=needs)
     return be.fn(x, weight, bias, lora_a, lora_b, scale, gelu=gelu, state=state)
 
 
@@ -82,7 +87,7 @@ def lora_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if lora_a.shape[0] > 0:
         h = F.linear(xf, lora_a.float())
         if isinstance(scale, torch.Tensor):
-            h = h * scale.float()
+            h = h * (scale.float() if scale.dim() == 1 else scale.float().reshape(h.shape))
         elif scale != 1.0:  # a unit factor is never multiplied
             h = h * scale
         y = y + F.linear(h, lora_b.float())
@@ -102,7 +107,8 @@ def lora_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if lora_a.shape[0] > 0:
         h = F.linear(x, lora_a.to(x.dtype))
         if isinstance(scale, torch.Tensor):
-            y = y + F.linear(h * scale.to(x.dtype), lora_b.to(x.dtype))
+            s = scale.to(x.dtype)
+            y = y + F.linear(h * (s if s.dim() == 1 else s.reshape(h.shape)), lora_b.to(x.dtype))
         elif scale != 1.0:
             y = y + F.linear(h, lora_b.to(x.dtype)) * scale
         else:
@@ -270,5 +276,6 @@ _CAPS = frozenset({"bias", "gelu", "per_rank_scale", "fp32_epilogue"})
 registry.register(Backend(OP, "triton", _launch, frozenset(FLOATS), frozenset({"cuda", "cpu"}), _CAPS, 20,
                           registry.triton_available,
                           "Triton GEMM with the fp32 LoRA delta expanded in the epilogue"))
-registry.register(Backend(OP, "torch", _torch_backend, frozenset(FLOATS), frozenset({"cuda", "cpu"}), _CAPS, 0,
+registry.register(Backend(OP, "torch", _torch_backend, frozenset(FLOATS), frozenset({"cuda", "cpu"}),
+                          _CAPS | ROW_SCALE, 0,
                           description="the fp32 torch reference"))

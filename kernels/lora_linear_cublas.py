@@ -2,8 +2,8 @@
 "delta_first" of `lora_linear` (reference: lora_linear.lora_linear_torch).
 
 Every path starts from the small h = (x A^T) * scale [M, R]: the per-rank scale (strength,
-schedule factor) is applied there, on R columns, so a new strength never touches a
-weight-sized tensor. A float scale of exactly 1.0 is not multiplied; a per-rank scale is
+schedule factor) or per-row-and-rank scale (a CFG branch's row mask too) is applied there,
+on R columns, so a new strength or branch never touches a weight-sized tensor. A float scale of exactly 1.0 is not multiplied; a per-rank scale is
 multiplied in fp32 and h rounded once to x.dtype.
 
 - K-concatenation: y = [x | h] [W | B]^T + b in ONE GEMM over K + R, the adapter's
@@ -103,7 +103,7 @@ def lora_linear_delta_first(x, weight, bias, lora_a, lora_b, scale, gelu=False, 
     return d.reshape(*lead, N)
 
 
-_CAPS = frozenset({"bias", "gelu", "per_rank_scale"})
+_CAPS = frozenset({"bias", "gelu", "per_rank_scale", "row_scale"})
 _DEV = frozenset({"cuda", "cpu"})
 registry.register(Backend(OP, "delta_first", lora_linear_delta_first, frozenset(FLOATS), _DEV, _CAPS, 30,
                           description="delta first (b + h B^T), then the base GEMM accumulating into it"))

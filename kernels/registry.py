@@ -197,8 +197,9 @@ def forced_backend() -> str | None:
 # ---- argument checks shared by the ops
 
 def validate(op: str, x, weight, bias, lora_a=None, lora_b=None, scale=None):
-    """Check an op's arguments; return the scale as a float or a contiguous fp32 [R]
-    tensor on x's device (None when the op has no adapter)."""
+    """Check an op's arguments; return the scale as a float or a contiguous fp32 [R] (per
+    rank) or [M, R] (per row of x flattened to [M, K], and rank) tensor on x's device
+    (None when the op has no adapter)."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op}: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit; "
                          "expected x [..., K] and weight [N, K]")
@@ -221,9 +222,10 @@ def validate(op: str, x, weight, bias, lora_a=None, lora_b=None, scale=None):
         raise ValueError(f"{op}: lora_b {tuple(lora_b.shape)} must be [N={N}, R={R}] "
                          f"to match lora_a {tuple(lora_a.shape)}")
     if isinstance(scale, torch.Tensor):
-        if scale.dim() != 1 or scale.shape[0] != R:
-            raise ValueError(f"{op}: a scale tensor must be 1-D with one factor per rank "
-                             f"[R={R}], got {tuple(scale.shape)}; pass a float for one factor")
+        M = x.numel() // K if K else 0
+        if not (scale.dim() == 1 and scale.shape[0] == R) and tuple(scale.shape) != (M, R):
+            raise ValueError(f"{op}: a scale tensor must hold one factor per rank [R={R}] or per row and "
+                             f"rank [M={M}, R={R}], got {tuple(scale.shape)}; pass a float for one factor")
         return scale.to(device=x.device, dtype=torch.float32).contiguous()
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         return float(scale)

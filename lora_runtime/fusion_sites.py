@@ -36,8 +36,10 @@ Guards
   epilogue, since the weight already holds any update. Active dynamic adapter: the
   LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
   unfused forward — never the base weight alone. A strength schedule reaches the kernel
-  as its scale (`fusable_stack`; scheduled to 0 this call: the base fused epilogue); a
-  per-branch adapter in a batched CFG call runs unfused (`unfusable_reason` says so).
+  as its scale (`lora_factors`; scheduled to 0 this call: the base fused epilogue); a
+  per-branch adapter in a batched CFG call reaches it as a per-row-and-rank scale on
+  the backends that take one ("row_scale"), and runs unfused on the others (the route
+  says why).
 
 By default (backend "auto") sites mount only on CUDA, where the choice is measured;
 on the CPU the eager forward runs. Tests mount with a backend name ("torch": the
@@ -62,7 +64,7 @@ from ..kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
 from .runtime_context import current_context
 from .settings import Tier, parse_tier
-from .wrapper import attached_wrapper
+from .wrapper import _rows, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +126,41 @@ def _is_linear_like(m) -> bool:
     return isinstance(base, nn.Linear)
 
 
-def lora_factors(lw, device, dtype):
+def lora_factors(lw, x: torch.Tensor):
     """The factors of the adapters live on this layer for this call: (A [R, K], B [N, R],
-    scale) with scale a float or an fp32 [R] per-rank vector that includes strength,
-    schedule factor and runtime scale; None when some live update cannot be fused
-    (`lw.unfusable_reason()` says why). The one place fused paths read adapter factors."""
-    return lw.fusable_stack(device, dtype)
+    scale) with scale a float, an fp32 [R] per-rank vector, or (a per-branch adapter in a
+    batched CFG call) an fp32 [M, R] per-row-and-rank matrix over x's M flattened rows;
+    strength, schedule factor, runtime scale and row mask all in it. None when some live
+    update cannot be fused (`lw.unfusable_reason()` says why). The one place fused paths
+    read adapter factors."""
+    st = lw.fusable_stack(x.device, x.dtype)
+    if st is not None or not lw.call_has_row_mask():
+        return st
+    return _row_scaled_factors(lw, x)
+
+
+def _row_scaled_factors(lw, x: torch.Tensor):
+    """fusable_stack's factors with the CFG row masks folded into an [M, R] scale."""
+    ctx = current_context()
+    live, offsets = lw._call_plan()
+    if not live or offsets or lw.is_conv or any(not s.is_plain_lora for s in live):
+        return None
+    f = {s.name: lw.call_factor(s, ctx) for s in live}
+    live = [s for s in live if f[s.name][0] != 0.0]
+    if not live:
+        return None
+    a, bt, _, _ = lw.plain_stack(x.device, x.dtype, live)
+    rows = x.numel() // x.shape[-1]
+    cols = []
+    for s in live:
+        rs, mask = f[s.name]
+        per_row = torch.full((rows,), s.layer.alpha_over_rank * s.strength * rs, dtype=torch.float32,
+                             device=x.device)
+        if mask is not None:
+            m = _rows(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
+            per_row = per_row * m
+        cols.append(per_row[:, None].expand(rows, s.layer.rank))
+    return a, bt.t(), torch.cat(cols, 1)
 
 
 def static_guard(fc1: nn.Module) -> tuple[bool, str]:
@@ -217,7 +248,7 @@ class MountedSite:
             checks["linear_gelu_tanh"] = (lambda be: linear_gelu_tanh(x, w, b, backend=be),
                                           lambda: linear_gelu_tanh_torch(x, w, b))
         lw = lora_wrapper(fc1)
-        st = lora_factors(lw, x.device, x.dtype) if lw is not None and lw.lora_active else None
+        st = lora_factors(lw, x) if lw is not None and lw.lora_active else None
         if "lora_linear_gelu_tanh" in self.fusions and st is not None:
             a, bm, scale = st
             checks["lora_linear"] = (lambda be: lora_linear(x, w, b, a, bm, scale, gelu=True, backend=be),
@@ -257,12 +288,19 @@ class MountedSite:
         lw = lora_wrapper(fc1)
         if lw is not None and lw.lora_active:
             if "lora_linear_gelu_tanh" in self.fusions:
-                st = lora_factors(lw, x.device, x.dtype)
+                st = lora_factors(lw, x)
                 if st is not None:
                     a, bmat, scale = st
+                    names = self.candidates["lora_linear"]
+                    if isinstance(scale, torch.Tensor) and scale.dim() == 2:  # per-branch rows
+                        names = [be for be in names if "row_scale" in registry.get("lora_linear", be).capabilities]
+                        if not names:
+                            return self.unfused(fc1, x, "unfused (a per-branch adapter in a CFG batch: "
+                                                        f"{'/'.join(self.candidates['lora_linear'])} take a "
+                                                        "per-rank scale, not a per-row one)")
                     paths = {be: (lambda be=be: lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=be,
                                                             state=self.state))
-                             for be in self.candidates["lora_linear"]}
+                             for be in names}
                     return self._run("lora_fused", "lora_linear", x, w, a.shape[0], paths, fc1)
                 return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
             return self.unfused(fc1, x)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_eager, lora_linear_torch
 from comfyui_lora_runtime.kernels.lora_linear_cublas import cached_bytes, lora_linear_kconcat
 from test_lora_linear import ADAPTERS, check_not_wrong, make, truth64
@@ -96,3 +97,27 @@ def test_cuda_bf16(backend):
     y = lora_linear(*args, gelu=True, backend=backend, state={})
     assert_lossless(y, lora_linear_eager(*args, gelu=True), truth64(*args, True), f"cuda {backend}")
     check_not_wrong(y, args, True, "several", f"cuda {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_per_row_scale_rides_in_h(backend, dtype):
+    """A CFG batch with a per-branch adapter: factors per row and rank ([M, R]), half the rows 0."""
+    x, w, b, a, bb, s = make((4, 128, 64), 96, dtype, "cpu", adapters="several")
+    rows = torch.tensor([0.0, 0.0, 1.0, 1.0]).repeat_interleave(128)  # negative rows first
+    per_row = rows[:, None] * s[None, :]
+    y = lora_linear(x, w, b, a, bb, per_row, gelu=True, backend=backend)
+    truth = torch.cat([truth64(x[:2], w, b, a[:0], bb[:, :0], 1.0, True), truth64(x[2:], w, b, a, bb, s, True)])
+    eager = torch.cat([lora_linear_eager(x[:2], w, b, a[:0], bb[:, :0], 1.0, gelu=True),
+                       lora_linear_eager(x[2:], w, b, a, bb, s, gelu=True)])
+    assert_lossless(y, eager, truth, backend)
+    wrong = lora_linear_torch(x, w, b, a, bb, s, gelu=True)  # the mask ignored
+    assert (y[:2].double() - wrong[:2].double()).abs().mean() > 30 * (y[:2].double() - truth[:2]).abs().mean()
+
+
+def test_the_triton_kernel_refuses_a_per_row_scale():
+    x, w, b, a, bb, s = make((8, 41), 70, torch.float32, "cpu", adapters="several")
+    with pytest.raises(registry.KernelUnavailableError, match="row_scale"):
+        lora_linear(x, w, b, a, bb, s.expand(8, -1), backend="triton")
+    with pytest.raises(ValueError, match=r"per row and rank \[M=8"):
+        lora_linear(x, w, b, a, bb, s.expand(9, -1), backend="torch")
