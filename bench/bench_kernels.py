@@ -9,10 +9,13 @@ CPU (always; torch paths only, the Triton interpreter is not a CPU backend):
   peft      F.linear(x, W, b) + F.linear(F.linear(x, A), B) * s     (PEFT's shape)
   addmm     torch.addmm(b, x, W^T).addmm_(x A^T, B^T, alpha=s)        (in place)
   merged    F.linear(x, W + s B A, b)                                 (base cost on merged W)
+  delta first / kconcat cached / kconcat rebuilt: the registered cuBLAS-shaped LoRA
+            backends (kernels/lora_linear_cublas.py), no GELU
   gelu eager / gelu fp32 ref: linear+GELU unfused in the dtype, and the fp32 reference
-CUDA (when present) adds the Triton kernels, tokens 4096 and 8192:
-  fused gelu        linear_gelu_tanh (base fused kernel)
-  lora fused gelu   lora_linear(gelu=True) (LoRA-aware fused kernel)
+CUDA (when present) adds the Triton kernels and cuBLASLt, tokens 4096 and 8192:
+  fused gelu        linear_gelu_tanh, backend triton (base fused kernel)
+  cublaslt gelu     linear_gelu_tanh, backend cublaslt (where its device check passes)
+  lora fused gelu   lora_linear(gelu=True), backend triton (LoRA-aware fused kernel)
   lora eager gelu   the unfused chain: PEFT-shaped delta, then GELU
 
 Shapes: Wan2.1-1.3B FFN (1536 -> 8960) and Flux (3072 -> 12288); ranks 16/64/128.
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 
 from comfyui_lora_runtime.kernels.linear_gelu_tanh import (linear_gelu_tanh, linear_gelu_tanh_eager,
                                                            linear_gelu_tanh_torch)
+from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_eager
 
 SHAPES = {"wan-1.3b-ffn": (1536, 8960), "flux": (3072, 12288)}
@@ -94,7 +98,9 @@ def rows_for(name, tokens, dtype, device, args):
            ("-", "gelu eager", *timed(lambda: linear_gelu_tanh_eager(x, w, b), **t)),
            ("-", "gelu fp32 ref", *timed(lambda: linear_gelu_tanh_torch(x, w, b), **t))]
     if device == "cuda":
-        out.append(("-", "fused gelu", *timed(lambda: linear_gelu_tanh(x, w, b), **t)))
+        out.append(("-", "fused gelu", *timed(lambda: linear_gelu_tanh(x, w, b, backend="triton"), **t)))
+        if not registry.get("linear_gelu_tanh", "cublaslt").why_not(x.device, x.dtype):
+            out.append(("-", "cublaslt gelu", *timed(lambda: linear_gelu_tanh(x, w, b, backend="cublaslt"), **t)))
     wt = w.t()
     for r in RANKS:
         _, _, _, a, bb = make(tokens, k, n, r, dtype, device, seed=r)
@@ -104,9 +110,14 @@ def rows_for(name, tokens, dtype, device, args):
             (r, "addmm", *timed(lambda: torch.addmm(b, x, wt).addmm_(x @ a.t(), bb.t(), alpha=SCALE), **t)),
             (r, "merged", *timed(lambda: F.linear(x, merged, b), **t)),
         ]
+        for be in ("delta_first", "kconcat_cached", "kconcat_rebuilt"):
+            state = {}
+            out.append((r, be.replace("_", " "), *timed(
+                lambda be=be, state=state: lora_linear(x, w, b, a, bb, SCALE, backend=be, state=state), **t)))
         if device == "cuda":
             out += [
-                (r, "lora fused gelu", *timed(lambda: lora_linear(x, w, b, a, bb, SCALE, gelu=True), **t)),
+                (r, "lora fused gelu",
+                 *timed(lambda: lora_linear(x, w, b, a, bb, SCALE, gelu=True, backend="triton"), **t)),
                 (r, "lora eager gelu",
                  *timed(lambda: lora_linear_eager(x, w, b, a, bb, SCALE, gelu=True), **t)),
             ]

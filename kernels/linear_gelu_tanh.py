@@ -6,7 +6,8 @@ chain (`linear_gelu_tanh_eager`) rounds twice in fp16/bf16: after the linear
 and after the GELU. That makes the fused kernel at least as close to an fp64
 ground truth as eager, which is what the `lossless` tier asks.
 
-- `linear_gelu_tanh`        the op; backend "auto" | "torch" | "triton"
+- `linear_gelu_tanh`        the op; backend "auto" or a registered name (kernels.registry):
+                            "triton" (this file), "cublaslt" (linear_gelu_cublaslt), "torch"
 - `linear_gelu_tanh_torch`  the reference: the same fp32 math through torch
 - `linear_gelu_tanh_eager`  the unfused chain in the input dtype (benchmarks)
 """
@@ -17,20 +18,21 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import interpreting, resolve_backend, triton_importable
+from . import registry
+from .registry import FLOATS, Backend, interpreting, triton_importable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["linear_gelu_tanh", "linear_gelu_tanh_torch", "linear_gelu_tanh_eager"]
 
+OP = "linear_gelu_tanh"
+
 
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      *, backend: str = "auto") -> torch.Tensor:
     """gelu_tanh(x @ weight^T + bias). x: [..., K], weight: [N, K], bias: [N] or None."""
-    _check_args(x, weight, bias)
-    if resolve_backend(backend, x, weight, bias) == "torch":
-        return linear_gelu_tanh_torch(x, weight, bias)
-    return _launch(x, weight, bias)
+    registry.validate(OP, x, weight, bias)
+    return registry.resolve(OP, backend, x, weight, bias).fn(x, weight, bias)
 
 
 def linear_gelu_tanh_torch(x: torch.Tensor, weight: torch.Tensor,
@@ -44,19 +46,6 @@ def linear_gelu_tanh_eager(x: torch.Tensor, weight: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The unfused eager chain in the input dtype (what a model does without us)."""
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
-
-
-def _check_args(x, weight, bias) -> None:
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_gelu_tanh: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
-                         "do not fit; expected x [..., K] and weight [N, K]")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"linear_gelu_tanh: bias {tuple(bias.shape)} must be [N={weight.shape[0]}]")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"linear_gelu_tanh: weight dtype {weight.dtype} differs from x dtype {x.dtype}; "
-                        "cast one of them (the fused GEMM reads both natively)")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"linear_gelu_tanh: dtype {x.dtype} is not supported (fp16, bf16, fp32)")
 
 
 if triton_importable():
@@ -102,3 +91,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     launch_tiles(_linear_gelu_tanh_kernel, "linear_gelu_tanh", M, N, K, args, flags,
                  INTERPRET_META if interp else None)
     return out.to(x.dtype).reshape(*lead, N)
+
+
+registry.register(Backend(OP, "triton", _launch, frozenset(FLOATS), frozenset({"cuda", "cpu"}),
+                          frozenset({"bias", "gelu", "fp32_epilogue"}), 20, registry.triton_available,
+                          "Triton GEMM with bias + GELU(tanh) on the fp32 accumulator"))
+registry.register(Backend(OP, "torch", linear_gelu_tanh_torch, frozenset(FLOATS), frozenset({"cuda", "cpu"}),
+                          frozenset({"bias", "gelu", "fp32_epilogue"}), 0,
+                          description="the fp32 torch reference"))

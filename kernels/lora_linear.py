@@ -33,7 +33,9 @@ h stays fp32, so its product with B cannot use a bf16 MMA directly. On GPUs:
 Under the interpreter every dot runs in fp32 (see _triton_utils), the bf16 split
 included, so the CPU tests exercise the split arithmetic.
 
-- `lora_linear`        the op; backend "auto" | "torch" | "triton"
+- `lora_linear`        the op; backend "auto" or a registered name (kernels.registry): "triton"
+                       (this file), "kconcat_cached" / "kconcat_rebuilt" / "delta_first"
+                       (lora_linear_cublas), "torch"
 - `lora_linear_torch`  the reference: the same fp32 math through torch
 - `lora_linear_eager`  the unfused PEFT-shaped chain in the input dtype (benchmarks,
                        and the low-precision error the tests hold the kernel to)
@@ -41,32 +43,39 @@ included, so the CPU tests exercise the split arithmetic.
 from __future__ import annotations
 
 import logging
-import numbers
 
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import interpreting, resolve_backend, triton_importable
+from . import registry
+from .registry import FLOATS, Backend, interpreting, triton_importable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["lora_linear", "lora_linear_torch", "lora_linear_eager"]
 
 Scale = float | torch.Tensor
+OP = "lora_linear"
+#: the capability of taking an [M, R] scale (a CFG row mask times per-adapter factors)
+ROW_SCALE = frozenset({"row_scale"})
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora_a: torch.Tensor, lora_b: torch.Tensor, scale: Scale,
-                *, gelu: bool = False, backend: str = "auto") -> torch.Tensor:
+                *, gelu: bool = False, backend: str = "auto", state: dict | None = None) -> torch.Tensor:
     """act(x W^T + b + ((x A^T) * scale) B^T).
 
     x [..., K], weight [N, K], bias [N] or None, lora_a [R, K], lora_b [N, R]
-    (R may be 0: no adapter), scale a float or an fp32 [R] tensor of per-rank factors.
+    (R may be 0: no adapter), scale a float, an fp32 [R] tensor of per-rank factors, or
+    an fp32 [M, R] tensor of per-row-and-rank factors (M rows of x flattened; backends
+    with the "row_scale" capability).
+    `state`: a caller-owned dict a backend may keep derived tensors in (the cached
+    [W | B] of "kconcat_cached"); None keeps nothing.
     """
-    scale = _check_args(x, weight, bias, lora_a, lora_b, scale)
-    if resolve_backend(backend, x, weight, bias, lora_a, lora_b) == "torch":
-        return lora_linear_torch(x, weight, bias, lora_a, lora_b, scale, gelu=gelu)
-    return _launch(x, weight, bias, lora_a, lora_b, scale, gelu)
+    scale = registry.validate(OP, x, weight, bias, lora_a, lora_b, scale)
+    needs = ROW_SCALE if isinstance(scale, torch.Tensor) and scale.dim() == 2 else frozenset()
+    be = registry.resolve(OP, backend, x, weight, bias, lora_a, lora_b, needs=needs)
+    return be.fn(x, weight, bias, lora_a, lora_b, scale, gelu=gelu, state=state)
 
 
 def lora_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -78,7 +87,7 @@ def lora_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if lora_a.shape[0] > 0:
         h = F.linear(xf, lora_a.float())
         if isinstance(scale, torch.Tensor):
-            h = h * scale.float()
+            h = h * (scale.float() if scale.dim() == 1 else scale.float().reshape(h.shape))
         elif scale != 1.0:  # a unit factor is never multiplied
             h = h * scale
         y = y + F.linear(h, lora_b.float())
@@ -98,43 +107,13 @@ def lora_linear_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if lora_a.shape[0] > 0:
         h = F.linear(x, lora_a.to(x.dtype))
         if isinstance(scale, torch.Tensor):
-            y = y + F.linear(h * scale.to(x.dtype), lora_b.to(x.dtype))
+            s = scale.to(x.dtype)
+            y = y + F.linear(h * (s if s.dim() == 1 else s.reshape(h.shape)), lora_b.to(x.dtype))
         elif scale != 1.0:
             y = y + F.linear(h, lora_b.to(x.dtype)) * scale
         else:
             y = y + F.linear(h, lora_b.to(x.dtype))
     return F.gelu(y, approximate="tanh") if gelu else y
-
-
-def _check_args(x, weight, bias, lora_a, lora_b, scale) -> Scale:
-    """Validate shapes and dtypes; return the scale as a float or an fp32 [R] tensor."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"lora_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit; "
-                         "expected x [..., K] and weight [N, K]")
-    N, K = weight.shape
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"lora_linear: bias {tuple(bias.shape)} must be [N={N}]")
-    if lora_a.dim() != 2 or lora_a.shape[1] != K:
-        raise ValueError(f"lora_linear: lora_a {tuple(lora_a.shape)} must be [R, K={K}]")
-    R = lora_a.shape[0]
-    if tuple(lora_b.shape) != (N, R):
-        raise ValueError(f"lora_linear: lora_b {tuple(lora_b.shape)} must be [N={N}, R={R}] "
-                         f"to match lora_a {tuple(lora_a.shape)}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"lora_linear: weight dtype {weight.dtype} differs from x dtype {x.dtype}; "
-                        "cast one of them (the fused GEMM reads both natively)")
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    for name, t in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
-        if t.dtype not in floats:
-            raise TypeError(f"lora_linear: {name} dtype {t.dtype} is not supported (fp16, bf16, fp32)")
-    if isinstance(scale, torch.Tensor):
-        if scale.dim() != 1 or scale.shape[0] != R:
-            raise ValueError(f"lora_linear: a scale tensor must be 1-D with one factor per rank "
-                             f"[R={R}], got {tuple(scale.shape)}; pass a float for one factor")
-        return scale.to(device=x.device, dtype=torch.float32).contiguous()
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        return float(scale)
-    raise TypeError(f"lora_linear: scale must be a float or an fp32 [R] tensor, got {type(scale).__name__}")
 
 
 if triton_importable():
@@ -222,7 +201,7 @@ if triton_importable():
     RANK_BLOCK = 32
 
 
-def _launch(x, weight, bias, lora_a, lora_b, scale, gelu) -> torch.Tensor:
+def _launch(x, weight, bias, lora_a, lora_b, scale, gelu, state=None) -> torch.Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
     N, R = weight.shape[0], lora_a.shape[0]
     x2 = x.reshape(-1, K)
@@ -287,3 +266,16 @@ def _shrink(x2: torch.Tensor, lora_a: torch.Tensor, scale: Scale, interp: bool) 
         SCALE_MODE=mode, UPCAST=upcast, PRECISION="ieee" if fp32_dot else None,
         BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, num_warps=warps)
     return h
+
+
+def _torch_backend(x, weight, bias, lora_a, lora_b, scale, gelu=False, state=None):
+    return lora_linear_torch(x, weight, bias, lora_a, lora_b, scale, gelu=gelu)
+
+
+_CAPS = frozenset({"bias", "gelu", "per_rank_scale", "fp32_epilogue"})
+registry.register(Backend(OP, "triton", _launch, frozenset(FLOATS), frozenset({"cuda", "cpu"}), _CAPS, 20,
+                          registry.triton_available,
+                          "Triton GEMM with the fp32 LoRA delta expanded in the epilogue"))
+registry.register(Backend(OP, "torch", _torch_backend, frozenset(FLOATS), frozenset({"cuda", "cpu"}),
+                          _CAPS | ROW_SCALE, 0,
+                          description="the fp32 torch reference"))

@@ -22,9 +22,13 @@ Guards
   that fails or disagrees leaves the site unmounted, with the reason in the report.
   After that nothing is caught: a kernel error during sampling (out-of-memory too)
   propagates, after the weights are restored, never a silent switch of path.
-- speed (CUDA, first call per shape bucket): the fused and the unfused path are both
-  timed on the real input and the faster one is kept for that bucket (the report says
-  which and the times): a fused kernel that loses to cuBLAS on this GPU is not used.
+- backends (kernels.registry): each fusion runs one kernel op; a site mounted with a
+  backend name runs that backend, one mounted with "auto" may run every backend of the
+  op available on its device (each probed, one that fails its probe is dropped and named
+  on the report) or the unfused forward: on CUDA the first call of each shape bucket
+  times them all on the real input and keeps the fastest for that bucket (the report says
+  which, with the times, and which backend each route ran): a fused kernel that loses to
+  cuBLAS on this GPU is not used. `use_backend(name)` forces a backend on "auto" sites.
 - call time (live): the fused path runs only inside a non-exact runtime context,
   with matching dtype/device; and the layer's adapters (the LoraLinear attached to
   it, see wrapper.attach) are asked whether they add output now
@@ -32,12 +36,16 @@ Guards
   epilogue, since the weight already holds any update. Active dynamic adapter: the
   LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
   unfused forward — never the base weight alone. A strength schedule reaches the kernel
-  as its scale (`fusable_stack`; scheduled to 0 this call: the base fused epilogue); a
-  per-branch adapter in a batched CFG call runs unfused (`unfusable_reason` says so).
+  as its scale (`lora_factors`; scheduled to 0 this call: the base fused epilogue); a
+  per-branch adapter in a batched CFG call reaches it as a per-row-and-rank scale on
+  the backends that take one ("row_scale"), and runs unfused on the others (the route
+  says why).
 
-By default (backend "auto") sites mount only where the Triton kernels run (CUDA):
-on the CPU the fp32 torch reference is not faster than the eager forward. Tests
-mount with backend "torch" (the reference) or "triton" (interpreter).
+By default (backend "auto") sites mount only on CUDA, where the choice is measured;
+on the CPU the eager forward runs. Tests mount with a backend name ("torch": the
+reference, "triton": the interpreter, "delta_first", "kconcat_cached", ...).
+
+Every fused LoRA path reads the adapters' factors through `lora_factors` only.
 """
 from __future__ import annotations
 
@@ -48,14 +56,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels import linear_gelu_tanh, lora_linear, resolve_backend
+from ..kernels import linear_gelu_tanh, lora_linear, registry
 from ..kernels.launch_configs import m_bucket
 from ..kernels.linear_gelu_tanh import linear_gelu_tanh_torch
 from ..kernels.lora_linear import lora_linear_torch
+from ..kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
 from .runtime_context import current_context
 from .settings import Tier, parse_tier
-from .wrapper import attached_wrapper
+from .wrapper import _rows, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -117,35 +126,68 @@ def _is_linear_like(m) -> bool:
     return isinstance(base, nn.Linear)
 
 
+def lora_factors(lw, x: torch.Tensor):
+    """The factors of the adapters live on this layer for this call: (A [R, K], B [N, R],
+    scale) with scale a float, an fp32 [R] per-rank vector, or (a per-branch adapter in a
+    batched CFG call) an fp32 [M, R] per-row-and-rank matrix over x's M flattened rows;
+    strength, schedule factor, runtime scale and row mask all in it. None when some live
+    update cannot be fused (`lw.unfusable_reason()` says why). The one place fused paths
+    read adapter factors."""
+    st = lw.fusable_stack(x.device, x.dtype)
+    if st is not None or not lw.call_has_row_mask():
+        return st
+    return _row_scaled_factors(lw, x)
+
+
+def _row_scaled_factors(lw, x: torch.Tensor):
+    """fusable_stack's factors with the CFG row masks folded into an [M, R] scale."""
+    ctx = current_context()
+    live, offsets = lw._call_plan()
+    if not live or offsets or lw.is_conv or any(not s.is_plain_lora for s in live):
+        return None
+    f = {s.name: lw.call_factor(s, ctx) for s in live}
+    live = [s for s in live if f[s.name][0] != 0.0]
+    if not live:
+        return None
+    a, bt, _, _ = lw.plain_stack(x.device, x.dtype, live)
+    rows = x.numel() // x.shape[-1]
+    cols = []
+    for s in live:
+        rs, mask = f[s.name]
+        per_row = torch.full((rows,), s.layer.alpha_over_rank * s.strength * rs, dtype=torch.float32,
+                             device=x.device)
+        if mask is not None:
+            m = _rows(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
+            per_row = per_row * m
+        cols.append(per_row[:, None].expand(rows, s.layer.rank))
+    return a, bt.t(), torch.cat(cols, 1)
+
+
 def static_guard(fc1: nn.Module) -> tuple[bool, str]:
     """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone."""
-    base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
-    if not isinstance(base, nn.Linear):
-        return False, f"first linear is a {type(base).__name__}"
-    w = base.weight
-    if type(w) not in (torch.Tensor, nn.Parameter):
-        return False, f"weight is a {type(w).__name__} (quantized/packed)"
-    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False, f"weight dtype {w.dtype}"
-    if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
-        return False, "weight/bias-function patches (computed at call time)"
-    if getattr(base, "comfy_cast_weights", False):
-        return False, "weights are cast/offloaded at call time"
-    for attr in ("scale_weight", "weight_scale", "quant_state", "qweight", "gather_output", "skip_bias_add"):
-        if getattr(base, attr, None) not in (None, False):
-            return False, f"layer has {attr}"
-    if base.bias is not None and base.bias.dtype != w.dtype:
-        return False, "bias dtype differs from weight dtype"
-    return True, ""
+    why = registry.plain_weight_reason(fc1)
+    return not why, why
+
+
+UNFUSED = "unfused"
+_KIND = {"linear_gelu_tanh": "base", "lora_linear": "lora"}
 
 
 class MountedSite:
-    """A site with a fused forward installed; routes counted per call."""
+    """A site with a fused forward installed; routes and backends counted per call.
 
-    def __init__(self, spec: SiteSpec, fusions: tuple[str, ...], tier: Tier, backend: str):
-        self.spec, self.fusions, self.tier, self.backend = spec, fusions, tier, backend
+    `requested`: {op: "auto" or a backend name}; `candidates`: {op: backend names this
+    site may run, highest priority first} (set by `plan`, pruned by `probe`)."""
+
+    def __init__(self, spec: SiteSpec, fusions: tuple[str, ...], tier: Tier, requested: dict[str, str]):
+        self.spec, self.fusions, self.tier, self.requested = spec, fusions, tier, requested
+        self.candidates: dict[str, list[str]] = {}
         self.routes: Counter = Counter()
-        self.speed: dict[str, dict] = {}  # measured choice per shape bucket (CUDA): key -> ms of both paths
+        self.ran: Counter = Counter()         # "route:backend" -> calls
+        self.speed: dict[str, dict] = {}      # measured choice per shape bucket (CUDA)
+        self.dropped: dict[str, str] = {}     # "op/backend" -> why it failed its probe
+        self.state: dict = {}                 # what backends keep per site (cached [W | B])
+        self.cache_bytes = 0                  # the most bytes `state` held
         module = spec.module
         if spec.kind == "sequential":
             def fwd(x, _s=self):
@@ -168,38 +210,62 @@ class MountedSite:
 
     def unmount(self) -> None:
         self.spec.module.__dict__.pop("forward", None)
+        self.state.clear()
+
+    def _base(self):
+        fc1 = self.spec.fc1()
+        return fc1, (fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1)
+
+    def plan(self) -> str:
+        """The backends each op may run on this site's device and dtype; '' or why none."""
+        _, base = self._base()
+        w = base.weight
+        for op, req in self.requested.items():
+            if req == "auto":
+                names = [b.name for b in registry.available(op, w.device, w.dtype, auto=True)]
+                if not names:
+                    return f"no {op} backend runs on {w.device} for {w.dtype}"
+            else:
+                why = registry.get(op, req).why_not(w.device, w.dtype)
+                if why:
+                    return why
+                names = [req]
+            self.candidates[op] = names
+        return ""
 
     @torch.no_grad()
     def probe(self) -> str:
-        """Compile and launch every fused path this site may take, on its real weights (and
-        its adapters' real factors) with a 16-row input, and compare with the fp32 reference
-        of the same math. '' when every path ran and agreed, else why not (the site is then
-        not mounted). Only here are kernel errors caught: at call time they propagate."""
-        fc1 = self.spec.fc1()
-        base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+        """Compile and launch every backend this site may run, on its real weights (and its
+        adapters' real factors) with a 16-row input, and compare with the fp32 reference of
+        the same math. A backend that fails or disagrees is dropped (named in the report);
+        '' while every op keeps one, else why not (the site is then not mounted). Only here
+        are kernel errors caught: at call time they propagate."""
+        fc1, base = self._base()
         w, b = base.weight, base.bias
         x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        checks = []
+        checks = {}
         if "linear_gelu_tanh" in self.fusions:
-            checks.append(("linear_gelu_tanh", lambda: linear_gelu_tanh(x, w, b, backend=self.backend),
-                           lambda: linear_gelu_tanh_torch(x, w, b)))
+            checks["linear_gelu_tanh"] = (lambda be: linear_gelu_tanh(x, w, b, backend=be),
+                                          lambda: linear_gelu_tanh_torch(x, w, b))
         lw = lora_wrapper(fc1)
-        st = lw.fusable_stack(x.device, x.dtype) if lw is not None and lw.lora_active else None
+        st = lora_factors(lw, x) if lw is not None and lw.lora_active else None
         if "lora_linear_gelu_tanh" in self.fusions and st is not None:
             a, bm, scale = st
-            checks.append(("lora_linear_gelu_tanh", lambda: lora_linear(x, w, b, a, bm, scale, gelu=True,
-                                                                        backend=self.backend),
-                           lambda: lora_linear_torch(x, w, b, a, bm, scale, gelu=True)))
-        for name, fused, reference in checks:
-            try:
-                got, want = fused().float(), reference().float()
-            except Exception as e:  # the probe is where a kernel that cannot compile or launch here is caught
-                return f"{name} failed its probe on {w.device} ({type(e).__name__}: {str(e)[:240]})"
-            # 4 ulps of the output dtype at the output's scale: a broken tile or launch is off by O(1)
-            tol = 4 * torch.finfo(w.dtype).eps * float(want.abs().max().clamp_min(1.0))
-            err = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
-            if not err <= tol:
-                return f"{name} computed wrong on {w.device} in its probe (max error {err:.3g} > {tol:.3g})"
+            checks["lora_linear"] = (lambda be: lora_linear(x, w, b, a, bm, scale, gelu=True, backend=be),
+                                     lambda: lora_linear_torch(x, w, b, a, bm, scale, gelu=True))
+        for op, (fused, reference) in checks.items():
+            kept = []
+            for be in self.candidates.get(op, []):
+                why = _compare(lambda: fused(be), reference, w, f"{op}/{be}")
+                if why:
+                    self.dropped[f"{op}/{be}"] = why
+                    log.warning("fusion site %s: backend %s/%s dropped: %s", self.spec.path, op, be, why)
+                else:
+                    kept.append(be)
+            if not kept:
+                return "; ".join(self.dropped[f"{op}/{be}"] for be in self.candidates.get(op, []))
+            self.candidates[op] = kept
+        self.state.clear()
         return ""
 
     def unfused(self, fc1: nn.Module, x: torch.Tensor, route: str = "unfused") -> torch.Tensor:
@@ -222,68 +288,80 @@ class MountedSite:
         lw = lora_wrapper(fc1)
         if lw is not None and lw.lora_active:
             if "lora_linear_gelu_tanh" in self.fusions:
-                st = lw.fusable_stack(x.device, x.dtype)
+                st = lora_factors(lw, x)
                 if st is not None:
                     a, bmat, scale = st
-                    def fused():
-                        return lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=self.backend)
-                    if self._fused_is_faster("lora", x, w, a.shape[0], fused, lambda: self._eager(fc1, x)):
-                        self.routes["lora_fused"] += 1
-                        return fused()
-                    return self.unfused(fc1, x, "unfused (measured faster here)")
+                    names = self.candidates["lora_linear"]
+                    if isinstance(scale, torch.Tensor) and scale.dim() == 2:  # per-branch rows
+                        names = [be for be in names if "row_scale" in registry.get("lora_linear", be).capabilities]
+                        if not names:
+                            return self.unfused(fc1, x, "unfused (a per-branch adapter in a CFG batch: "
+                                                        f"{'/'.join(self.candidates['lora_linear'])} take a "
+                                                        "per-rank scale, not a per-row one)")
+                    paths = {be: (lambda be=be: lora_linear(x, w, b, a, bmat, scale, gelu=True, backend=be,
+                                                            state=self.state))
+                             for be in names}
+                    return self._run("lora_fused", "lora_linear", x, w, a.shape[0], paths, fc1)
                 return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
-            def fused():
-                return linear_gelu_tanh(x, w, b, backend=self.backend)
-            if self._fused_is_faster("base", x, w, 0, fused, lambda: self._eager(fc1, x)):
-                self.routes["base_fused"] += 1
-                return fused()
-            return self.unfused(fc1, x, "unfused (measured faster here)")
+            paths = {be: (lambda be=be: linear_gelu_tanh(x, w, b, backend=be))
+                     for be in self.candidates["linear_gelu_tanh"]}
+            return self._run("base_fused", "linear_gelu_tanh", x, w, 0, paths, fc1)
         return self.unfused(fc1, x)
+
+    def _run(self, route: str, op: str, x, w, rank: int, paths: dict, fc1) -> torch.Tensor:
+        """Run the backend chosen for this call: a forced one (`use_backend`), the named
+        one, or on an "auto" site the measured choice of this shape bucket (CUDA)."""
+        forced = registry.forced_backend()
+        if forced in paths:
+            name = forced
+        elif self.requested[op] != "auto":
+            name = next(iter(paths))
+        else:
+            kind = _KIND[op]
+            key = (str(x.device), str(x.dtype), kind, tuple(w.shape), rank, m_bucket(x.numel() // x.shape[-1]))
+            name, rec = registry.MEASURED.pick(key, {**paths, UNFUSED: lambda: self._eager(fc1, x)}, x.device)
+            if rec is not None:
+                self.speed[f"{kind} M<={key[-1]} R={rank}"] = rec
+            if name != "kconcat_cached":
+                self.state.pop("wb", None)  # hold no weight copy for a path this site does not take
+            if name == UNFUSED:
+                return self.unfused(fc1, x, "unfused (measured faster here)")
+        self.routes[route] += 1
+        self.ran[f"{route}:{name}"] += 1
+        y = paths[name]()
+        if name == "kconcat_cached":
+            self.cache_bytes = max(self.cache_bytes, cached_bytes(self.state))
+        return y
 
     @staticmethod
     def _eager(fc1, x):
         return torch.nn.functional.gelu(fc1(x), approximate="tanh")
 
-    def _fused_is_faster(self, kind: str, x, w, rank: int, fused, eager) -> bool:
-        """On CUDA, the first call of each shape bucket times both paths on the real input
-        (shared by every site of that shape) and keeps the faster; elsewhere fused."""
-        if not x.is_cuda or not MEASURE_SPEED:
-            return True
-        key = (str(x.device), str(x.dtype), kind, tuple(w.shape), rank, m_bucket(x.numel() // x.shape[-1]))
-        choice = _SPEED_CHOICES.get(key)
-        if choice is None:
-            f_ms, e_ms = _time_cuda(fused), _time_cuda(eager)
-            choice = _SPEED_CHOICES[key] = {"fused_ms": round(f_ms, 4), "unfused_ms": round(e_ms, 4),
-                                            "fused": f_ms <= e_ms}
-        self.speed[f"{kind} M<={key[-1]} R={rank}"] = choice
-        return choice["fused"]
-
     def report(self) -> dict:
-        r = {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes)}
+        r = {"site": self.spec.path, "fusions": list(self.fusions), "routes": dict(self.routes),
+             "backends": {op: list(c) for op, c in self.candidates.items()}, "ran": dict(self.ran)}
         if self.speed:
             r["measured"] = dict(self.speed)
+        if self.dropped:
+            r["dropped"] = dict(self.dropped)
+        if self.cache_bytes:
+            r["cache_bytes"] = self.cache_bytes  # the K-concat [W | B] this site held
         return r
 
 
-_SPEED_CHOICES: dict[tuple, dict] = {}
-#: Tests that must exercise the fused kernels on CUDA turn the measured choice off.
-MEASURE_SPEED = True
-
-
-def _time_cuda(fn, reps: int = 3) -> float:
-    """Median ms of `fn` on the current CUDA stream after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def _compare(fused, reference, w, name: str) -> str:
+    try:
+        got, want = fused().float(), reference().float()
+    except Exception as e:  # the probe is where a kernel that cannot compile or launch here is caught
+        return f"{name} failed its probe on {w.device} ({type(e).__name__}: {str(e)[:240]})"
+    # 4 ulps of the output dtype at the output's scale: a broken tile or launch is off by O(1)
+    tol = 4 * torch.finfo(w.dtype).eps * float(want.abs().max().clamp_min(1.0))
+    err = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    if not err <= tol:
+        return f"{name} computed wrong on {w.device} in its probe (max error {err:.3g} > {tol:.3g})"
+    return ""
 
 
 @dataclass
@@ -301,25 +379,35 @@ class MountedFusions:
         return out
 
 
-def mount_fusions(model: nn.Module, tier, backend: str = "auto", only: list[str] | None = None) -> MountedFusions:
-    """Mount every fusion the tier admits on every site that passes the static guard."""
+def mount_fusions(model: nn.Module, tier, backend: str | dict = "auto",
+                  only: list[str] | None = None) -> MountedFusions:
+    """Mount every fusion the tier admits on every site that passes the static guard.
+
+    `backend`: "auto", a backend name every mounted fusion's op has, or {op: name}
+    (ops not named: "auto")."""
     tier = parse_tier(tier)
     names = tuple(n for n, f in FUSIONS.items() if tier.admits(f.min_tier) and (only is None or n in only))
     mounted = MountedFusions()
     if not names:
         return mounted
+    ops = sorted({FUSIONS[n].op for n in names})
+    requested = {op: (backend.get(op, "auto") if isinstance(backend, dict) else backend) for op in ops}
+    for op, req in requested.items():
+        if req != "auto":
+            registry.get(op, req)  # an unknown name is a programming error: ValueError
     for spec in find_sites(model):
         fc1 = spec.fc1()
         ok, why = static_guard(fc1)
-        if ok and backend == "auto":
+        if ok and "auto" in requested.values():
             base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
-            if resolve_backend("auto", base.weight) != "triton":
-                ok, why = False, "no Triton device: the torch reference is not faster than eager here"
+            if not registry.MEASURED.measures(base.weight.device):
+                ok, why = False, (f"no CUDA device: fused paths are chosen by timing them against eager "
+                                  f"on CUDA; on {base.weight.device.type} eager runs")
         if not ok:
             mounted.skipped[spec.path] = why
             continue
-        site = MountedSite(spec, names, tier, backend)
-        why = site.probe()
+        site = MountedSite(spec, names, tier, requested)
+        why = site.plan() or site.probe()
         if why:
             site.unmount()
             log.warning("fusion site %s left unfused: %s", spec.path, why)

@@ -21,7 +21,17 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
     assert parts["tune"]["buckets"] == 3 * 4 * 2          # 3 FFN shapes x 4 M buckets x 2 ops
     rows = res["kernels_rows"]
     assert len(rows) == 9 and {r["M"] for r in rows} == {512, 4096, 32760}
-    assert all(len(r["arms"]) == 3 + 4 * 2 * 2 for r in rows)  # eager, fused, cuBLASLt + ranks x counts x 2
+    # eager, cuBLASLt, Triton + 5 LoRA sets x (PEFT, shipped, Triton, K-concat cached/rebuilt, delta first)
+    assert all(len(r["arms"]) == 3 + 5 * 6 for r in rows)
+    assert {"eager", "cublaslt", "triton", "peft_r32x3", "shipped_r32x3", "kconcat_cached_r16x1",
+            "kconcat_rebuilt_r128x1", "delta_first_r64x1"} <= set(rows[0]["arms"])
+    # the dry run ran every arm once on a tiny CPU row, with the lossless rule vs fp64 per new path
+    smoke = res["kernels_smoke"]
+    assert set(smoke["ran"]) == set(rows[0]["arms"]) - {"cublaslt"} and "cuda" in smoke["missing"]["cublaslt"]
+    assert {a for a, st in smoke["numerics"].items() if st["ok"]} == {
+        "triton", "shipped_r32x3", "triton_r32x3", "kconcat_cached_r32x3", "kconcat_rebuilt_r32x3",
+        "delta_first_r32x3"}
+    assert all(0.9 < st["vs_base_x_effect"] < 1.1 for a, st in smoke["numerics"].items() if "_r" in a)
     runs = list(parts["dit"]["runs"].values())
     assert [r["tokens"] for r in runs] == [1530, 32760] and [r["blocks"] for r in runs] == [30, 8]
     assert all(r["batches"] == [1, 2] for r in runs)

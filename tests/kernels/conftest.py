@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from comfyui_lora_runtime.kernels._dispatch import interpreting, triton_importable  # noqa: E402
+from comfyui_lora_runtime.kernels.registry import interpreting, triton_importable  # noqa: E402
 
 
 @pytest.fixture

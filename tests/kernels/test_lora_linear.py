@@ -166,13 +166,13 @@ def test_bad_arguments_are_refused():
 
 def test_torch_backend_is_the_reference():
     args = make((2, 5, 41), 100, torch.bfloat16, "cpu", adapters="several")
-    assert torch.equal(lora_linear(*args, gelu=True), lora_linear_torch(*args, gelu=True))  # auto on CPU
+    assert torch.equal(lora_linear(*args, gelu=True, backend="torch"), lora_linear_torch(*args, gelu=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_large(dtype):
     args = make((512, 1536), 2048, dtype, "cuda", adapters="several")
-    y = lora_linear(*args, gelu=True)  # auto: Triton on CUDA
+    y = lora_linear(*args, gelu=True, backend="triton")
     check(y, args, True, f"cuda {dtype} 512x1536x2048 R=21")
     check_not_wrong(y, args, True, "several", "cuda")
