@@ -23,7 +23,7 @@ from torch import nn
 from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
-from .param_delta import ParamDelta
+from .updates.param_delta import ParamDelta
 from . import scale_sources, variants
 from .safetensors_file import load_safetensors, read_header
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
-from .param_delta import ParamDelta, ParamPatch
+from .updates.param_delta import ParamDelta, ParamPatch
 from .policy import DecisionCache, MergeDecision, decide
 from .runtime_context import runtime_context
 from .schedule import Branch, Schedule, parse_branch, varies
