@@ -69,7 +69,7 @@ def make_case(k, n, tokens, rank, n_adapters, dtype, device, seed=0):
         wrapped.add_adapter(f"a{i}", la, strength)
         s = alpha / rank * strength
         peft.append((down.to(device, dtype), up.to(device, dtype), s))
-        delta += s * (la.up.float() @ la.down.float())
+        delta += s * (la.update.up.float() @ la.update.down.float())
     merged = (w.float().cpu() + delta).to(device, dtype)
     return x, w, b, wrapped, peft, merged
 

@@ -32,7 +32,7 @@ Guards
   epilogue, since the weight already holds any update. Active dynamic adapter: the
   LoRA-aware fused kernel when mounted and every live slot is plain LoRA, else the
   unfused forward — never the base weight alone. A strength schedule reaches the kernel
-  as its scale (`fusable_stack`; scheduled to 0 this call: the base fused epilogue); a
+  as its scale (`adapter_stack`; scheduled to 0 this call: the base fused epilogue); a
   per-branch adapter in a batched CFG call runs unfused (`unfusable_reason` says so).
 
 By default (backend "auto") sites mount only where the Triton kernels run (CUDA):
@@ -139,6 +139,12 @@ def static_guard(fc1: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+def adapter_stack(lw, x: torch.Tensor):
+    """(A [R, in], B [out, R], per-rank scale) the LoRA-aware kernel takes for this call: the
+    layer's updates answer `stack()` (`LoraLinear.stack`), or None: the site runs unfused."""
+    return lw.stack(x.device, x.dtype)
+
+
 class MountedSite:
     """A site with a fused forward installed; routes counted per call."""
 
@@ -184,7 +190,7 @@ class MountedSite:
             checks.append(("linear_gelu_tanh", lambda: linear_gelu_tanh(x, w, b, backend=self.backend),
                            lambda: linear_gelu_tanh_torch(x, w, b)))
         lw = lora_wrapper(fc1)
-        st = lw.fusable_stack(x.device, x.dtype) if lw is not None and lw.lora_active else None
+        st = adapter_stack(lw, x) if lw is not None and lw.lora_active else None
         if "lora_linear_gelu_tanh" in self.fusions and st is not None:
             a, bm, scale = st
             checks.append(("lora_linear_gelu_tanh", lambda: lora_linear(x, w, b, a, bm, scale, gelu=True,
@@ -222,7 +228,7 @@ class MountedSite:
         lw = lora_wrapper(fc1)
         if lw is not None and lw.lora_active:
             if "lora_linear_gelu_tanh" in self.fusions:
-                st = lw.fusable_stack(x.device, x.dtype)
+                st = adapter_stack(lw, x)
                 if st is not None:
                     a, bmat, scale = st
                     def fused():

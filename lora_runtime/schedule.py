@@ -1,4 +1,4 @@
-"""Strength over the steps and per guidance branch, without re-merging (issue 12).
+"""Strength over the steps and per guidance branch, without re-merging.
 
 An adapter may carry a `Schedule` (a multiplier of its strength that changes over the
 denoising) and a `Branch` (which CFG rows it applies to). Both act on the **dynamic**
@@ -20,7 +20,7 @@ Formats (`parse_schedule`, the Load LoRA Adapter node's ``strength_schedule``):
 
 Multipliers lie in [-10, 10] like strengths; the adapter's effective strength at a call
 is ``strength * multiplier``; ``multiplier`` is applied as the adapter's runtime scale
-(contracts.md s.3: after alpha/rank and strength; 1.0 is never multiplied).
+(`scaling`: after the scale and the strength; 1.0 is never multiplied).
 
 Which step a model call belongs to (per step lists): the call's sigma ``s`` (ComfyUI's
 ``transformer_options["sigmas"]``) is matched against the sigmas the SAMPLER_SAMPLE
@@ -181,7 +181,9 @@ class SamplingSchedules:
                 # is 0.888...89 in fp64 but the schedule's fp32 sigma 0.88888890 must still match it
                 thresholds = [float(torch.tensor(float(percent_to_sigma(p)), dtype=torch.float32))
                               for p, _ in sched.keyframes]
-            self.entries[name] = (sched, parse_branch(branch), thresholds)
+            if not isinstance(branch, Branch):
+                raise TypeError(f"{name}: branch {branch!r} is not a Branch; parse it once with parse_branch")
+            self.entries[name] = (sched, branch, thresholds)
         self._cache_key = None
         self._cache_val = None
         self.calls = 0
@@ -277,13 +279,13 @@ def model_call_context(x, sigma, cond_or_uncond):
         yield ctx
 
 
-def varies(schedule: Schedule | None, branch) -> str:
+def varies(schedule: Schedule | None, branch: Branch) -> str:
     """Why an adapter's strength is not one number for the whole run ('' when it is)."""
     reasons = []
     if schedule is not None and not schedule.is_unit:
         reasons.append(f"its strength follows a schedule ({schedule.describe()})")
-    if parse_branch(branch) is not Branch.BOTH:
-        reasons.append(f"it applies to the {parse_branch(branch).value.replace(' only', '')} branch only")
+    if branch is not Branch.BOTH:
+        reasons.append(f"it applies to the {branch.value.replace(' only', '')} branch only")
     if not reasons:
         return ""
     return "stays unmerged: " + " and ".join(reasons) + "; a merge would need a re-merge at every change"

@@ -42,7 +42,7 @@ def _truth(model, x):
     for mod in [attached_wrapper(m) for m in m64.modules()]:
         if mod is not None:
             for s in mod.slots.values():
-                s.variant.clear_cache()
+                s.update.clear_cache()
             mod._stack_cache.clear()
     with torch.no_grad(), runtime_context(tier="exact"):
         return m64(x.double())

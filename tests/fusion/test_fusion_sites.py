@@ -126,9 +126,9 @@ def test_offsets_and_dora_are_never_fused_with_the_base_weight():
     m.unmount()
     assert m.sites[0].routes == {"unfused (dora update: a fused kernel takes plain LoRA only)": 1}
     w.remove_adapter("dora")
-    from comfyui_lora_runtime.lora_runtime import variants
+    from comfyui_lora_runtime.lora_runtime import updates
     g = torch.Generator().manual_seed(3)
-    loha = variants.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
+    loha = updates.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
     w.add_adapter("loha", LayerAdapter("x", variant=loha), 1.0)
     m = mount_fusions(model, "lossless", backend="torch")
     with torch.no_grad(), runtime_context(tier="lossless"):

@@ -318,7 +318,7 @@ def test_dora_delta_conventions(reference, tmp_path, kind, inference):
     ComfyUI's are: no version counter)."""
     import sys
     sys.path.insert(0, str(REPO))
-    from lora_runtime import variants
+    from lora_runtime import updates
     model_path = reference / MODEL
     sd = write_variant_file(tmp_path / "d.safetensors", kind, seed=1300 + VARIANT_KINDS.index(kind),
                             model_path=model_path)
@@ -327,7 +327,7 @@ def test_dora_delta_conventions(reference, tmp_path, kind, inference):
         ref = dora_as_diff(sd, model_path, conv)
         for name, _, _ in _wan_modules():
             st = f"diffusion_model.{name}"
-            v = variants.detect({p: sd[f"{st}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha",
+            v = updates.detect({p: sd[f"{st}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha",
                                                                "dora_scale")}, stem=name, comfy_quirk=quirk)
             if inference:
                 with torch.inference_mode():

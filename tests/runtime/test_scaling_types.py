@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
 from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime import variants as U
+from comfyui_lora_runtime.lora_runtime import updates as U
 
 OUT, IN = 40, 48
 
@@ -87,7 +87,7 @@ def test_mul_count_per_type_and_tier(kind, tier, strength, rs, alpha):
     v = TYPES[kind][0](alpha)
     v.check_module(OUT, IN)
     w = LoraLinear(lin, "l")
-    w.add_adapter("a", LayerAdapter("l", variant=v), strength)
+    w.add_adapter("a", LayerAdapter("l", update=v), strength)
     x = torch.randn(5, IN)
     ctx = runtime_context(tier=tier, scale=rs) if tier else runtime_context(scale=rs)
     with ctx, torch.no_grad():
