@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
 from _timing import dtype_name, header, load_string, paired_rounds, parse_dtype, resolve_device
 

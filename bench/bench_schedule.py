@@ -41,7 +41,7 @@ import torch
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.schedule import (SamplingSchedules, model_call_context, parse_schedule,
+from comfyui_lora_runtime.lora_runtime.layer.schedule import (SamplingSchedules, model_call_context, parse_schedule,
                                                         sampling_schedules)
 
 from _timing import header, interleaved_rounds, load_string
@@ -92,9 +92,9 @@ def overhead_us(rank: int, calls: int = 5000) -> tuple[float, float]:
     """(us a scheduled call of one adapted layer adds over a constant one, us to resolve a model
     call's factors): the same code paths on a 64x64 layer, where the GEMMs cost next to nothing,
     constant and scheduled timed in alternating blocks, one thread, fastest block of each."""
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
     g = torch.Generator().manual_seed(0)
     w = LoraLinear(torch.nn.Linear(64, 64), "tiny")
     w.add_adapter("a", LayerAdapter("tiny", torch.randn(rank, 64, generator=g), torch.randn(64, rank, generator=g),

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
 from .updates.param_delta import ParamDelta, ParamPatch
-from .policy import DecisionCache, MergeDecision, decide
-from .runtime_context import runtime_context
-from .schedule import Branch, Schedule, parse_branch, varies
+from .decision.policy import DecisionCache, MergeDecision, decide
+from .layer.runtime_context import runtime_context
+from .layer.schedule import Branch, Schedule, parse_branch, varies
 from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
-from .wrapper import LoraLinear, attached_wrapper
+from .layer.wrapper import LoraLinear, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injec
     On exit, also on error or interrupt: fusions unmounted, merged weights restored
     bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
     """
-    from .fusion_sites import mount_fusions
+    from .fusion.fusion_sites import mount_fusions
 
     inj = injector or LoraInjector(model)
     mounted = None

@@ -21,7 +21,7 @@ import torch
 from .settings import Tier
 
 if TYPE_CHECKING:
-    from .runtime_context import RuntimeContext
+    from .layer.runtime_context import RuntimeContext
 
 
 def folds_scales(ctx: "RuntimeContext | None") -> bool:

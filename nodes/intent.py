@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..lora_runtime import AdapterSpec
-from ..lora_runtime.schedule import Branch, Schedule
+from ..lora_runtime.layer.schedule import Branch, Schedule
 from ..lora_runtime.settings import DEFAULT_MERGE_MODE, DEFAULT_TIER, MergeMode, Tier
 
 KEY = "lora_runtime"

@@ -35,7 +35,7 @@ import time
 
 from .. import host
 from ..lora_runtime import applied, plan
-from ..lora_runtime.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
+from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for

@@ -16,8 +16,8 @@ import time
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
-from ..lora_runtime.adapter import check_adapter_file
-from ..lora_runtime.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
+from ..lora_runtime.files.adapter import check_adapter_file
+from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
 from . import intent, lifecycle, report
 from .caches import ADAPTERS

@@ -102,7 +102,7 @@ def test_diffusers_dialect_maps_onto_every_targeted_layer(base_model):
         assert torch.equal(la.update.down, ka.update.down) and torch.equal(la.update.up, ka.update.up)
         assert la.update.scale == ka.update.scale
     # wrong answer: with the dialect mapping undone the names match nothing
-    from comfyui_lora_runtime.lora_runtime.dialects import resolve
+    from comfyui_lora_runtime.lora_runtime.files.dialects import resolve
     mods = dict(base_model.named_modules())
     assert resolve("transformer.blocks.0.attn1.to_q", mods).module == "blocks.0.self_attn.q"
     assert "blocks.0.attn1.to_q" not in mods

@@ -9,10 +9,10 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
 from comfyui_lora_runtime.lora_runtime import fusion_sites
-from comfyui_lora_runtime.lora_runtime.fusion_registry import FUSIONS, Fusion, register
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_registry import FUSIONS, Fusion, register
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.settings import Tier
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
 from _fixtures import assert_lossless, lora_pair, write_kohya
 from _sites import FC1, SiteZoo

@@ -6,7 +6,7 @@ import torch
 
 from comfyui_lora_runtime.kernels._dispatch import interpreting, triton_importable
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 
 from _fixtures import lora_pair, write_kohya
 from _sites import FC1, SiteZoo, routes_of

@@ -11,7 +11,7 @@ from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPING
 from comfyui_lora_runtime.host.bundled.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
                                                         validate_prompt)
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
-from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
 from bad_adapter_files import EXPECTED, write_bad_files

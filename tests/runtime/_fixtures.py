@@ -150,5 +150,5 @@ def assert_lossless(out, ref, truth, what=""):
 
 
 def assert_no_runtime_left(model) -> None:
-    from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
     assert runtime_leftovers(model) == []

@@ -1,4 +1,4 @@
-"""Key dialects (lora_runtime/dialects.py) against hand-written tables (_dialect_models.py)."""
+"""Key dialects (lora_runtime/files/dialects.py) against hand-written tables (_dialect_models.py)."""
 from __future__ import annotations
 
 import functools
@@ -346,7 +346,7 @@ def test_lora_wrapped_modules_resolve_to_the_wrapper_and_no_model_is_kept_alive(
     import gc
     import weakref
 
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
     model = M.TinyFlux()
     blk = model.double_blocks[0].img_attn

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime.merge import merge_weight, restore_weight, row_chunks
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
 from _fixtures import lora_pair
 

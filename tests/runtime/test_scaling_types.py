@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime import updates as U
 
 OUT, IN = 40, 48

@@ -7,8 +7,8 @@ import torch
 from comfyui_lora_runtime.host.bundled.model_patcher import ModelSamplingFlow
 from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, ConfigError, LoraInjector, MergeMode, plan
-from comfyui_lora_runtime.lora_runtime.runtime_context import current_context
-from comfyui_lora_runtime.lora_runtime.schedule import (Branch, SamplingSchedules, model_call_context,
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
+from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context,
                                                         parse_schedule, sampling_schedules, varies)
 
 from _fixtures import TinyWanLike, make_adapter_tensors, write_kohya

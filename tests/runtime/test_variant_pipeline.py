@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
 from _fixtures import TinyWanLike, assert_no_runtime_left
 
@@ -298,8 +298,8 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     """Three LoRAs on the q, k, v thirds of one fused qkv Linear (as diffusers-named Flux
     files are): dynamic and merged equal the fp64 block-stacked delta."""
     from comfyui_lora_runtime.lora_runtime import updates
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
     d = 16
     lin = nn.Linear(d, 3 * d)

@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import LoraRuntimeError, MergeRefusedError
+from ..errors import LoraRuntimeError, MergeRefusedError
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import current_context
-from .scaling import combined_factor, folds_scales, per_rank, scale_delta, times
-from .updates import Update
+from ..scaling import combined_factor, folds_scales, per_rank, scale_delta, times
+from ..updates import Update
 
 if TYPE_CHECKING:
-    from .adapter import LayerAdapter
+    from ..files.adapter import LayerAdapter
 
 _FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

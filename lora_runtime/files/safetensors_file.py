@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import AdapterFileError
+from ..errors import AdapterFileError
 
 _MAX_HEADER = 100 * 1024 * 1024
 

@@ -12,7 +12,7 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .settings import Tier, parse_tier
+from ..settings import Tier, parse_tier
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
+from ..errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
-from .updates.param_delta import ParamDelta
+from ..updates.param_delta import ParamDelta
 from . import scale_sources
-from . import updates
+from .. import updates
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .runtime_context import runtime_context
-from .settings import STRENGTH_MAX, STRENGTH_MIN
+from ..settings import STRENGTH_MAX, STRENGTH_MIN
 
 
 class Branch(str, enum.Enum):

@@ -48,14 +48,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels import linear_gelu_tanh, lora_linear, resolve_backend
-from ..kernels.launch_configs import m_bucket
-from ..kernels.linear_gelu_tanh import linear_gelu_tanh_torch
-from ..kernels.lora_linear import lora_linear_torch
+from ...kernels import linear_gelu_tanh, lora_linear, resolve_backend
+from ...kernels.launch_configs import m_bucket
+from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
+from ...kernels.lora_linear import lora_linear_torch
 from .fusion_registry import FUSIONS
-from .runtime_context import current_context
-from .settings import Tier, parse_tier
-from .wrapper import attached_wrapper
+from ..layer.runtime_context import current_context
+from ..settings import Tier, parse_tier
+from ..layer.wrapper import attached_wrapper
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, MergeRefusedError, NonFiniteMergeError
-from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
-from .wrapper import LoraLinear, mergeable
+from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
+from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
+from ..layer.wrapper import LoraLinear, mergeable
 
 log = logging.getLogger(__name__)
 
