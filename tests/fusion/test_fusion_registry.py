@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime import fusion_sites
+from comfyui_lora_runtime.lora_runtime.fusion import fusion_sites
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_registry import FUSIONS, Fusion, register
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.settings import Tier
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _fixtures import assert_lossless, lora_pair, write_kohya
-from _sites import FC1, SiteZoo
+from testkit.fixtures import assert_lossless, lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo
 
 
 def test_a_fusion_that_picks_no_side_cannot_register():

@@ -9,8 +9,8 @@ from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, applied
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import find_sites, mount_fusions
 
-from _fixtures import lora_pair, write_kohya
-from _sites import FC1, SiteZoo, routes_of
+from testkit.fixtures import lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo, routes_of
 
 SITES = ["blocks.0.ffn", "ff.net.0", "mlp"]
 

@@ -17,7 +17,7 @@ from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 
-from _nodes_helpers import CondPos, _weights
+from testkit.nodes_helpers import CondPos, _weights
 
 STEPS, SEED, CFG = 6, 42, 5.0
 

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import (AdapterFileError, AdapterFormatError, AdapterMatchError, load_adapter,
                                                match_adapter)
 
-from _fixtures import (TinyWanLike, linear_names, make_adapter_tensors, wan_native_to_diffusers, write_kohya,
+from testkit.fixtures import (TinyWanLike, linear_names, make_adapter_tensors, wan_native_to_diffusers, write_kohya,
                        write_peft)
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _dialect_models import DIALECT_FILES, MODELS, make_dialect_file
+from testkit.dialect_models import DIALECT_FILES, MODELS, make_dialect_file
 
 
 @pytest.mark.parametrize("dialect", list(DIALECT_FILES))

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime import dialects as D
-from comfyui_lora_runtime.lora_runtime import key_formats
+from comfyui_lora_runtime.lora_runtime.files import dialects as D
+from comfyui_lora_runtime.lora_runtime.files import key_formats
 
-import _dialect_models as M
-from _fixtures import TinyWanLike, wan_native_to_diffusers
+from testkit import dialect_models as M
+from testkit.fixtures import TinyWanLike, wan_native_to_diffusers
 
 DIALECTS = sorted(M.DIALECT_FILES)
 

@@ -6,7 +6,7 @@ from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, r
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
-from _fixtures import lora_pair
+from testkit.fixtures import lora_pair
 
 
 def _wrapped(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat16, seed=0):

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
 
-from _fixtures import TinyWanLike, make_adapter_tensors
+from testkit.fixtures import TinyWanLike, make_adapter_tensors
 
 R = 4
 

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
-from _fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
+from testkit.fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
 
 
 class MulCounter(TorchDispatchMode):

@@ -11,7 +11,7 @@ from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_cont
 from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context,
                                                         parse_schedule, sampling_schedules, varies)
 
-from _fixtures import TinyWanLike, make_adapter_tensors, write_kohya
+from testkit.fixtures import TinyWanLike, make_adapter_tensors, write_kohya
 
 
 # --- formats ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _fixtures import TinyWanLike, assert_no_runtime_left
+from testkit.fixtures import TinyWanLike, assert_no_runtime_left
 
 LAYER = "blocks.0.ffn.0"          # Linear 32 -> 64
 OUT, IN = 64, 32
