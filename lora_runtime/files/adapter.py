@@ -482,22 +482,11 @@ def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:
     """Exchange the two halves of the update's output rows (diffusers' ``norm_out.linear`` is
     [scale, shift], the native ``final_layer.adaLN_modulation.1`` is [shift, scale]).
     Returns why it cannot, or None."""
-    v = la.update
-
-    def sw(t):
-        n = t.shape[0] // 2
-        return torch.cat([t[n:], t[:n]])
-
-    if type(v) is updates.LoRA:
-        la.update = updates.LoRA(v.down, sw(v.up), v.alpha, stem=v.stem, rslora=v.rslora,
-                                 diff_b=None if v.diff_b is None else sw(v.diff_b))
-    elif type(v) is updates.Full:
-        la.update = updates.Full(sw(v.diff), stem=v.stem, diff_b=None if v.diff_b is None else sw(v.diff_b))
-    elif type(v) is updates.BiasOnly:
-        la.update = updates.BiasOnly(sw(v.diff_b), stem=v.stem)
-    else:
-        return (f"a {v.kind} update on a [scale, shift] layer stored in the other order; only LoRA and diff "
-                "updates can be reordered")
+    swapped = la.update.swapped_halves()
+    if swapped is None:
+        return (f"a {la.update.kind} update on a [scale, shift] layer stored in the other order; only LoRA and "
+                "diff updates can be reordered")
+    la.update = swapped
     return None
 
 

@@ -52,6 +52,14 @@ def as_linear(t: Tensor, stem: str, name: str) -> Tensor:
     raise AdapterFormatError(f"{stem}.{name} has shape {tuple(t.shape)}; expected a matrix")
 
 
+def swap_halves(t: Tensor | None) -> Tensor | None:
+    """`t` with the two halves of its first dim exchanged (None stays None)."""
+    if t is None:
+        return None
+    n = t.shape[0] // 2
+    return torch.cat([t[n:], t[:n]])
+
+
 def weight_key(weight: Tensor) -> tuple:
     """Identity of a base weight for the weight-dependent caches (storage, in-place version, layout).
 
@@ -130,6 +138,11 @@ class Update(abc.ABC):
     def stack(self, device=None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, float] | None:
         """(A [r, in], B [out, r], scale on each rank) for a stacked GEMM or a fused kernel, or None
         when the update is not a plain low-rank pair. Without `device`/`dtype`: the stored tensors."""
+        return None
+
+    def swapped_halves(self) -> "Update | None":
+        """The same update with the two halves of its output rows exchanged (a [scale, shift] layer
+        stored as [shift, scale]), or None when the type cannot reorder its rows."""
         return None
 
     @property

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import times
-from .base import Update, as_linear, rows_on
+from .base import Update, as_linear, rows_on, swap_halves
 
 
 class Full(Update):
@@ -45,6 +45,9 @@ class Full(Update):
     @property
     def in_features(self) -> int:
         return int(self.diff.shape[1])
+
+    def swapped_halves(self) -> "Full":
+        return Full(swap_halves(self.diff), stem=self.stem, diff_b=swap_halves(self.diff_b))
 
     def tensors(self) -> dict[str, Tensor]:
         t = {"diff": self.diff}
@@ -92,6 +95,9 @@ class BiasOnly(Update):
     def check_module(self, out_features: int, in_features: int) -> None:
         super().check_module(out_features, in_features)
         self._in = int(in_features)
+
+    def swapped_halves(self) -> "BiasOnly":
+        return BiasOnly(swap_halves(self.diff_b), stem=self.stem)
 
     def tensors(self) -> dict[str, Tensor]:
         return {"diff_b": self.diff_b}

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, rows_on
+from .base import Update, as_linear, rows_on, swap_halves
 
 
 class LoRA(Update):
@@ -75,6 +75,10 @@ class LoRA(Update):
             return self.down, self.up, self.scale
         down, up = self.factors(device, dtype)
         return down, up, self.scale
+
+    def swapped_halves(self) -> "LoRA":
+        return LoRA(self.down, swap_halves(self.up), self.alpha, stem=self.stem, rslora=self.rslora,
+                    diff_b=swap_halves(self.diff_b))
 
     def tensors(self) -> dict[str, Tensor]:
         t = {"down": self.down, "up": self.up}
