@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import LoraRuntimeError, MergeRefusedError
+from ..errors import MergeRefusedError
+from . import stacking
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import current_context
-from ..scaling import combined_factor, folds_scales, per_rank, scale_delta, times
+from .stacking import can_add_inplace, row_mask
+from ..scaling import combined_factor, folds_scales, scale_delta, times
 from ..updates import Update
 
 if TYPE_CHECKING:
@@ -95,26 +97,6 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
     if w.is_meta:
         return False, "weight is on the meta device (offloaded)"
     return True, ""
-
-
-def _can_add_inplace(y: torch.Tensor) -> bool:
-    """In-place accumulation into the base output: only when it is a plain contiguous tensor
-    outside autograd (a leaf-free inference output)."""
-    return y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad)
-
-
-def _rows(mask: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor:
-    """A per-row 0/1 mask [rows] of the model call shaped to broadcast over `like` (batch on dim
-    0, or batch-major flattened rows), in its dtype (0 and 1 are exact in every float dtype)."""
-    n = mask.shape[0]
-    lead = like.shape[0] if like.dim() else 1
-    if lead != n:
-        if like.dim() < 2 or lead % n:
-            raise LoraRuntimeError(
-                f"{layer}: a per-branch adapter needs the batch on dim 0 of this layer's input, but it has "
-                f"{lead} rows for a call of {n}; set the adapter's branch to 'both'")
-        mask = mask.repeat_interleave(lead // n)
-    return mask.to(like.device, like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 ATTR = "_lora_runtime"
@@ -416,21 +398,21 @@ class LoraLinear(nn.Module):
             if stacked:  # one pair of GEMMs for every update that answers stack()
                 f0 = f[stacked[0].name]
                 if f0[1] is None and all(f[s.name] == f0 for s in stacked):
-                    y = self._stacked_delta(x, y, stacked, f0[0])  # uniform: scale rides as addmm_'s alpha
+                    y = stacking.add_stacked(self, x, y, stacked, f0[0])  # uniform: scale rides as addmm_'s alpha
                 else:
-                    y = self._stacked_delta_per_slot(x, y, stacked, [f[s.name] for s in stacked])
+                    y = stacking.add_stacked_per_slot(self, x, y, stacked, [f[s.name] for s in stacked])
             for d in first:
-                y = y.add_(d) if _can_add_inplace(y) else y + d
+                y = y.add_(d) if can_add_inplace(y) else y + d
             dyn = [s for s in dyn if not s.stackable and not s.update.needs_base_output]
         for s in dyn:
             # the delta is a fresh tensor, scaled in place; accumulate in place too (same bits)
             d = self._masked(self._slot_delta(x, s, f[s.name][0], ctx), f[s.name][1])
-            y = y.add_(d) if _can_add_inplace(y) else y + d
+            y = y.add_(d) if can_add_inplace(y) else y + d
         return self._add_offsets(y, offsets, f, ctx)
 
     def _masked(self, d: torch.Tensor, mask) -> torch.Tensor:
         """The delta on the rows of this call's chosen CFG branch only (exact: the last factor)."""
-        return d if mask is None else times(d, _rows(mask, d, self.layer_name))
+        return d if mask is None else times(d, row_mask(mask, d, self.layer_name))
 
     def _add_offsets(self, y: torch.Tensor, offsets, f, ctx) -> torch.Tensor:
         """diff_b output offsets (cached and shared: never in place); on a conv, per channel."""
@@ -440,7 +422,7 @@ class LoraLinear(nn.Module):
             if self.is_conv:
                 off = off.reshape(-1, *([1] * (y.dim() - 2)))
             off = scale_delta(off, (s.strength, rs), ctx)
-            y = y + (off if mask is None else times(off, _rows(mask, y, self.layer_name)))
+            y = y + (off if mask is None else times(off, row_mask(mask, y, self.layer_name)))
         return y
 
     def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -483,58 +465,15 @@ class LoraLinear(nn.Module):
             d = scale_delta(fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups), (rs,), ctx,
                             inplace=True)
             d = self._masked(d, mask)
-            y = y.add_(d) if _can_add_inplace(y) else y + d
+            y = y.add_(d) if can_add_inplace(y) else y + d
         return self._add_offsets(y, offsets, f, ctx)
 
-    # --- stacked low-rank pairs (the fast dynamic path and the fused kernels) ------------
-    @staticmethod
-    def _rank(s: AdapterSlot) -> int:
-        return int(s.update.stack()[0].shape[0])
-
-    def stacked_pair(self, device, dtype, slots: list[AdapterSlot] | None = None):
-        """(A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None) of the
-        stackable slots: each update's `stack()`, its scale times the slot's strength (no runtime
-        scale). Cached until the slot state changes."""
-        slots = [s for s in self._weight_slots() if not s.merged and s.stackable] if slots is None else slots
-        key = (device, dtype, tuple(s.name for s in slots))
-        st = self._stack_cache.get(key)
-        if st is None:
-            stacks = [s.update.stack(device, dtype) for s in slots]
-            factors = [combined_factor(scale, s.strength) for s, (_, _, scale) in zip(slots, stacks)]
-            a = stacks[0][0] if len(stacks) == 1 else torch.cat([p[0] for p in stacks], 0)
-            b = stacks[0][1] if len(stacks) == 1 else torch.cat([p[1] for p in stacks], 1)
-            uniform = all(f == factors[0] for f in factors)
-            vec = None if uniform else per_rank((p[0].shape[0], f) for p, f in zip(stacks, factors)).to(device)
-            st = self._stack_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
-        return st
-
+    # --- the stacked low-rank pairs (the fast dynamic path, the fused kernels) -------------
     def stack(self, device, dtype):
-        """What a LoRA-aware fused kernel takes for this call, or None when some live slot has no
-        `stack()` pair (or rides an offset, a conv, a per-row mask).
-
-        Returns (A_cat [R, in], B_cat [out, R], scale) with scale a float or an fp32 [R] tensor
-        that already includes this call's runtime scale.
-        """
-        ctx = current_context()
-        rs = ctx.scale if ctx is not None else 1.0
-        live, offsets = self._call_plan()
-        if not live or offsets or self.is_conv or any(not s.stackable for s in live):
-            return None
-        if ctx is not None and ctx.adapters is not None:  # this call's per-adapter factors
-            f = {s.name: self.call_factor(s, ctx) for s in live}
-            if any(m is not None for _, m in f.values()):
-                return None  # a per-row (per-branch) factor: the fused kernel takes per-rank scales only
-            live = [s for s in live if f[s.name][0] != 0.0]
-            if not live:
-                return None
-            if any(f[s.name][0] != f[live[0].name][0] for s in live):
-                a, bt, _, _ = self.stacked_pair(device, dtype, live)
-                return a, bt.t(), per_rank((self._rank(s), combined_factor(s.update.scale, s.strength, f[s.name][0]))
-                                           for s in live).to(device)
-            rs = f[live[0].name][0]
-        a, bt, factor, vec = self.stacked_pair(device, dtype, live)
-        scale = combined_factor(factor, rs) if vec is None else times(vec, rs)
-        return a, bt.t(), scale
+        """What a LoRA-aware fused kernel takes for this call: (A_cat [R, in], B_cat [out, R],
+        scale: a float or an fp32 [R] tensor including the runtime scale), or None when some live
+        slot has no `stack()` pair, rides an offset or a per-row mask, or the layer is a conv."""
+        return stacking.fused_stack(self, device, dtype)
 
     def unfusable_reason(self) -> str:
         """Why `stack` gives nothing right now (for the fusion report)."""
@@ -549,42 +488,6 @@ class LoraLinear(nn.Module):
         if self.is_conv:
             return "a convolution"
         return "no live low-rank update"
-
-    def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
-        """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
-        a, bt, factor, vec = self.stacked_pair(x.device, x.dtype, slots)
-        h = F.linear(x, a)
-        if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
-            h = times(h, vec.to(h.dtype), inplace=True)
-            alpha = rs
-        else:
-            alpha = combined_factor(factor, rs)
-        if not _can_add_inplace(y):
-            y = y.contiguous() if not y.requires_grad else y.clone()
-        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
-        return y
-
-    def _stacked_delta_per_slot(self, x, y, slots, factors) -> torch.Tensor:
-        """y += sum_i (x A_i^T) * f_i * mask_i B_i^T: one pair of GEMMs; the per-adapter factors
-        (scale * strength * this call's runtime scale) and row masks on h [T, R]."""
-        a, bt, factor, vec = self.stacked_pair(x.device, x.dtype, slots)
-        key = ("per_slot", x.device, x.dtype, tuple(s.name for s in slots), tuple(rs for rs, _ in factors))
-        ranks = self._stack_cache.get(key)
-        if ranks is None:  # one small vector per distinct factor set (at most one per step)
-            ranks = self._stack_cache[key] = per_rank(
-                (self._rank(s), combined_factor(s.factor, rs)) for s, (rs, _) in zip(slots, factors)
-            ).to(x.device, x.dtype)
-        h = times(F.linear(x, a), ranks, inplace=True)
-        r0 = 0
-        for s, (_, mask) in zip(slots, factors):
-            r = self._rank(s)
-            if mask is not None:  # a 0/1 row mask, in place on this slot's ranks
-                h[..., r0:r0 + r].mul_(_rows(mask, h, self.layer_name))
-            r0 += r
-        if not _can_add_inplace(y):
-            y = y.contiguous() if not y.requires_grad else y.clone()
-        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt)
-        return y
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: " + ", ".join(
