@@ -129,7 +129,7 @@ def test_offsets_and_dora_are_never_fused_with_the_base_weight():
     from comfyui_lora_runtime.lora_runtime import updates
     g = torch.Generator().manual_seed(3)
     loha = updates.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
-    w.add_adapter("loha", LayerAdapter("x", variant=loha), 1.0)
+    w.add_adapter("loha", LayerAdapter("x", update=loha), 1.0)
     m = mount_fusions(model, "lossless", backend="torch")
     with torch.no_grad(), runtime_context(tier="lossless"):
         y = model.blocks[0].ffn(x)
