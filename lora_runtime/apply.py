@@ -28,6 +28,7 @@ from .updates.param_delta import ParamDelta, ParamPatch
 from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .layer.schedule import Branch, Schedule, parse_branch, varies
+from .scaling import combined_factor
 from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
 from .layer.wrapper import LoraLinear, attached_wrapper
 
@@ -95,7 +96,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
         if c is not None and c != 1.0 and branch is Branch.BOTH:
             # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
             # runs through the scheduled path, where a unit factor is never multiplied
-            spec = replace(spec, strength=check_strength(spec.strength * c, what=(
+            spec = replace(spec, strength=check_strength(combined_factor(spec.strength, c), what=(
                 f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
         adapter = loader(spec.path)
         name = spec.name or adapter.name
