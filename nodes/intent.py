@@ -25,10 +25,11 @@ class AdapterIntent:
     lenient: bool = False  # "skip and report" keys that match nothing, instead of failing
     schedule: Schedule | None = None   # strength over the denoising (parsed by the node)
     branch: Branch = Branch.BOTH       # which CFG branch the adapter applies to
+    content_hash: str = ""             # the content the node read: the sampler uses that, not whatever the file holds later
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient, schedule=self.schedule,
-                           branch=self.branch)
+                           branch=self.branch, content_hash=self.content_hash)
 
 
 @dataclass(frozen=True)
