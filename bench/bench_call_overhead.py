@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 
 from _timing import header, load_string, paired_rounds
 

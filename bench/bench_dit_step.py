@@ -47,8 +47,8 @@ from torch import nn
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 
 from _timing import dtype_name, header, interleaved_rounds, load_string, parse_dtype, resolve_device
 

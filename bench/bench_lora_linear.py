@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
 from _timing import dtype_name, header, load_string, paired_rounds, parse_dtype, resolve_device
 
@@ -69,7 +69,7 @@ def make_case(k, n, tokens, rank, n_adapters, dtype, device, seed=0):
         wrapped.add_adapter(f"a{i}", la, strength)
         s = alpha / rank * strength
         peft.append((down.to(device, dtype), up.to(device, dtype), s))
-        delta += s * (la.up.float() @ la.down.float())
+        delta += s * (la.update.up.float() @ la.update.down.float())
     merged = (w.float().cpu() + delta).to(device, dtype)
     return x, w, b, wrapped, peft, merged
 

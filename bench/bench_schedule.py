@@ -41,7 +41,7 @@ import torch
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.schedule import (SamplingSchedules, model_call_context, parse_schedule,
+from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context, parse_schedule,
                                                         sampling_schedules)
 
 from _timing import header, interleaved_rounds, load_string
@@ -92,16 +92,16 @@ def overhead_us(rank: int, calls: int = 5000) -> tuple[float, float]:
     """(us a scheduled call of one adapted layer adds over a constant one, us to resolve a model
     call's factors): the same code paths on a 64x64 layer, where the GEMMs cost next to nothing,
     constant and scheduled timed in alternating blocks, one thread, fastest block of each."""
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
     g = torch.Generator().manual_seed(0)
     w = LoraLinear(torch.nn.Linear(64, 64), "tiny")
     w.add_adapter("a", LayerAdapter("tiny", torch.randn(rank, 64, generator=g), torch.randn(64, rank, generator=g),
                                     alpha=ALPHA), STRENGTH)
     x = torch.randn(1, 4, 64, generator=g)
     sigmas = torch.linspace(1.0, 0.0, STEPS + 1)
-    s = SamplingSchedules({"a": (parse_schedule("1, 1, 0.5, 0.5, 0.5, 0.5, 0, 0"), "both")}, sigmas)
+    s = SamplingSchedules({"a": (parse_schedule("1, 1, 0.5, 0.5, 0.5, 0.5, 0, 0"), Branch.BOTH)}, sigmas)
 
     def block(adapters):
         with torch.inference_mode(), runtime_context(tier="lossless", adapters=adapters):
@@ -200,7 +200,7 @@ def main(argv=None):
             print(f"# re-patch per strength change ({label}, {len(tensors)} weights): {ms:.1f} ms = "
                   f"{ms / step_ms:.2f}x one constant dynamic step ({step_ms:.0f} ms)")
             return {"repatch_ms": ms, "step_ms": step_ms}
-        s_sched = SamplingSchedules({"a": (sched, "both")}, sigmas)
+        s_sched = SamplingSchedules({"a": (sched, Branch.BOTH)}, sigmas)
         const, x, ts, c = run(1)
         g.manual_seed(2)
         sched_arm = run(1, s_sched, sigmas[2], [0])[0]
@@ -212,7 +212,7 @@ def main(argv=None):
         assert torch.equal(o_0, o_n), "a step scheduled to 0 must be the base output"
         assert not torch.allclose(o_s, o_c) and not torch.allclose(o_s, o_n)
         if args.cfg:
-            s_pos = SamplingSchedules({"a": (None, "positive only")}, sigmas)
+            s_pos = SamplingSchedules({"a": (None, Branch.POSITIVE)}, sigmas)
             g.manual_seed(3)
             const2, x2, ts2, c2 = run(2)
             g.manual_seed(3)

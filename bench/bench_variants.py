@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import header, interleaved_rounds, parse_dtype  # noqa: E402
 
 try:
-    from comfyui_lora_runtime.lora_runtime import variants
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import updates
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 except ImportError as e:  # pragma: no cover
     raise SystemExit(f"install the pack first (pip install -e .): {e}")
 
@@ -41,30 +41,30 @@ def _rnd(*shape, seed, scale=0.02):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def make_variants(out_f: int, in_f: int, seed: int = 0) -> dict[str, variants.Variant]:
+def make_variants(out_f: int, in_f: int, seed: int = 0) -> dict[str, updates.Update]:
     r = 16
     n_params = r * (in_f + out_f)
     k = 8
     c, d = out_f // 8, in_f // 8
     r_kr = max(1, round((n_params - 64) / (c + d)))
-    lora = variants.LoRA(_rnd(r, in_f, seed=seed), _rnd(out_f, r, seed=seed + 1), alpha=8.0)
+    lora = updates.LoRA(_rnd(r, in_f, seed=seed), _rnd(out_f, r, seed=seed + 1), alpha=8.0)
     return {
         "lora": lora,
-        "lora#2": variants.LoRA(_rnd(r, in_f, seed=seed + 2), _rnd(out_f, r, seed=seed + 3), alpha=8.0),
-        "loha": variants.LoHa(_rnd(out_f, k, seed=seed + 4), _rnd(k, in_f, seed=seed + 5),
+        "lora#2": updates.LoRA(_rnd(r, in_f, seed=seed + 2), _rnd(out_f, r, seed=seed + 3), alpha=8.0),
+        "loha": updates.LoHa(_rnd(out_f, k, seed=seed + 4), _rnd(k, in_f, seed=seed + 5),
                               _rnd(out_f, k, seed=seed + 6), _rnd(k, in_f, seed=seed + 7), alpha=4.0),
-        "lokr": variants.LoKr(w1=_rnd(8, 8, seed=seed + 8, scale=1.0), w2_a=_rnd(c, r_kr, seed=seed + 9),
+        "lokr": updates.LoKr(w1=_rnd(8, 8, seed=seed + 8, scale=1.0), w2_a=_rnd(c, r_kr, seed=seed + 9),
                               w2_b=_rnd(r_kr, d, seed=seed + 10), alpha=float(r_kr)),
-        "lokr/16": variants.LoKr(w1=_rnd(16, 16, seed=seed + 14, scale=1.0),
+        "lokr/16": updates.LoKr(w1=_rnd(16, 16, seed=seed + 14, scale=1.0),
                                  w2_a=_rnd(out_f // 16, r16 := max(1, round((n_params - 256) / (out_f // 16 + in_f // 16))),
                                            seed=seed + 15),
                                  w2_b=_rnd(r16, in_f // 16, seed=seed + 16), alpha=float(r16)),
-        "dora": variants.DoRA(variants.LoRA(_rnd(r, in_f, seed=seed + 11), _rnd(out_f, r, seed=seed + 12), alpha=8.0),
+        "dora": updates.DoRA(updates.LoRA(_rnd(r, in_f, seed=seed + 11), _rnd(out_f, r, seed=seed + 12), alpha=8.0),
                               _rnd(out_f, 1, seed=seed + 13).abs() + 1.0),
     }
 
 
-def params_of(v: variants.Variant) -> int:
+def params_of(v: updates.Update) -> int:
     return sum(t.numel() for k, t in v.tensors().items() if k not in ("dora_scale", "diff_b"))
 
 
@@ -87,7 +87,7 @@ def main() -> None:
             lin.load_state_dict(base.state_dict())
             w = LoraLinear(lin, name)
             w.attach()
-            w.add_adapter(name, LayerAdapter(name, variant=v), 0.8)
+            w.add_adapter(name, LayerAdapter(name, update=v), 0.8)
             wrappers[name] = (lin, w)
             arms[name] = (lambda m=lin: m(x))
 

@@ -309,8 +309,8 @@ def shipped_layer(w, b, a, bb, ranks):
     (alpha = rank, so each factor is its strength, as make_inputs' scale)."""
     from torch import nn
 
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
     lin = nn.Linear(w.shape[1], w.shape[0], device="meta")
     lin.weight, lin.bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
     wr = LoraLinear(lin, "row")
@@ -324,7 +324,7 @@ def shipped_layer(w, b, a, bb, ranks):
 
 def kernel_arms(x, w, b, lora_inputs: dict) -> tuple[dict, dict]:
     """{arm: thunk} for one row, and {arm: why not} for the arms that cannot run here."""
-    from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
+    from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
     arms, missing = {"eager": lambda: eager_gelu(x, w, b)}, {}
     for be in ("cublaslt", "triton"):
         why = registry.get("linear_gelu_tanh", be).why_not(x.device, x.dtype)

@@ -29,6 +29,18 @@ CODEC = EMBEDDED_DIR / "tiny_codec.safetensors"
 TEXT_ENCODER = EMBEDDED_DIR / "tiny_text_encoder.safetensors"
 JUDGE = EMBEDDED_DIR / "glyph_judge.safetensors"
 
+COMMITTED = (BASE_MODEL, STYLE_LORA, DISTILLED_LORA, STYLE_LORA_DIFFUSERS, CODEC, TEXT_ENCODER, JUDGE)
+
+
+def require_committed_weights() -> None:
+    """Raise FileNotFoundError naming the committed weight files this checkout lacks (they are
+    part of the repository: a checkout without them is broken, not a smaller configuration)."""
+    missing = [str(p.relative_to(PACK_ROOT)) for p in COMMITTED if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"the embedded model's committed files are missing: {', '.join(missing)}; "
+                                "restore them from the repository (git checkout -- models)")
+
+
 # Sampler settings the embedded model is checked with (tests, model card).
 DEFAULT_STEPS = 20
 DEFAULT_CFG = 5.0

@@ -9,11 +9,11 @@ functions, so node code never cares which host runs it:
 - `sample(model, ...)`: the host's KSampler (seeded noise, sigmas, sampler) -> LATENT;
 - `sampler_names()`, `scheduler_names()`;
 - `InterruptProcessingException`: what an interrupt raises through sampling;
-- `add_sampler_wrapper(model, key, fn)`, `get_sampler_wrappers(model, key)`: the
-  patcher's SAMPLER_SAMPLE wrapper hook (nodes/lifecycle.py rides on it);
-- `add_model_call_wrapper(model, key, fn)`, `get_model_call_wrappers(model, key)`: the
-  patcher's APPLY_MODEL wrapper hook, once per model call, whose transformer_options
-  carry that call's ``sigmas`` and ``cond_or_uncond`` (strength schedules, branches);
+- `has_wrappers(model, key)`, `add_wrappers(model, key, sampler_fn, model_call_fn)`: the
+  patcher's SAMPLER_SAMPLE hook (nodes/lifecycle.py rides on it) and its APPLY_MODEL hook,
+  once per model call, whose transformer_options carry that call's ``sigmas`` and
+  ``cond_or_uncond`` (strength schedules, branches). Both hosts' patchers have the same
+  wrapper API; only the hook names come from the host;
 - `send_report(report)`: a runtime report for the node that is executing (the web
   extension shows it on that node; the bundled host hands it to its listeners).
 """
@@ -33,12 +33,26 @@ def _real_comfyui_present() -> bool:
 REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
-    from .comfy_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
-                             add_model_call_wrapper, get_model_call_wrappers, get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
+    from .comfy_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+                             diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
                              send_report)
     NAME = "comfyui"
 else:
-    from .bundled_host import (InterruptProcessingException, add_sampler_wrapper, diffusion_model,  # noqa: F401
-                               add_model_call_wrapper, get_model_call_wrappers, get_sampler_wrappers, lora_names, resolve_lora, sample, sampler_names,
-                               scheduler_names, send_report)
+    from .bundled_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+                               diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
+                               send_report)
     NAME = "bundled"
+
+
+def has_wrappers(model, key: str) -> bool:
+    """Does `model` carry the sampling wrapper registered under `key`?"""
+    return bool(model.get_wrappers(SAMPLER_SAMPLE, key))
+
+
+def add_wrappers(model, key: str, sampler_fn, model_call_fn) -> None:
+    """Register `sampler_fn` on the SAMPLER_SAMPLE hook and `model_call_fn` on the APPLY_MODEL
+    hook of `model` under `key`, each once (clones inherit them)."""
+    if not model.get_wrappers(SAMPLER_SAMPLE, key):
+        model.add_wrapper_with_key(SAMPLER_SAMPLE, key, sampler_fn)
+    if not model.get_wrappers(APPLY_MODEL, key):
+        model.add_wrapper_with_key(APPLY_MODEL, key, model_call_fn)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .bundled import folder_paths, progress
-from .bundled.model_patcher import APPLY_MODEL, SAMPLER_SAMPLE
+from .bundled.model_patcher import APPLY_MODEL, SAMPLER_SAMPLE  # noqa: F401  (the wrapper hooks)
 from .bundled.core_nodes import _sampler_names, _scheduler_names, sample_with_progress
 from .bundled.progress import InterruptProcessingException  # noqa: F401
 
@@ -18,22 +18,6 @@ def resolve_lora(name: str) -> str:
 
 def diffusion_model(model):
     return model.get_model_object("diffusion_model")
-
-
-def get_sampler_wrappers(model, key: str) -> list:
-    return model.get_wrappers(SAMPLER_SAMPLE, key)
-
-
-def add_sampler_wrapper(model, key: str, fn) -> None:
-    model.add_wrapper_with_key(SAMPLER_SAMPLE, key, fn)
-
-
-def get_model_call_wrappers(model, key: str) -> list:
-    return model.get_wrappers(APPLY_MODEL, key)
-
-
-def add_model_call_wrapper(model, key: str, fn) -> None:
-    model.add_wrapper_with_key(APPLY_MODEL, key, fn)
 
 
 def send_report(report: dict) -> None:

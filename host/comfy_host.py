@@ -39,29 +39,11 @@ def diffusion_model(model):
     return model.get_model_object("diffusion_model")
 
 
-# --- the sampling hook (ComfyUI's own ModelPatcher wrappers) ----------------------
+# --- the wrapper hooks of ComfyUI's own ModelPatcher (registered in host/__init__.py) ----
 SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
-
-
-def get_sampler_wrappers(model, key: str) -> list:
-    return model.get_wrappers(SAMPLER_SAMPLE, key)
-
-
-def add_sampler_wrapper(model, key: str, fn) -> None:
-    model.add_wrapper_with_key(SAMPLER_SAMPLE, key, fn)
-
-
 # Per model call: BaseModel.apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw),
 # with transformer_options["sigmas"] and ["cond_or_uncond"] set by the sampler for that call.
 APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
-
-
-def get_model_call_wrappers(model, key: str) -> list:
-    return model.get_wrappers(APPLY_MODEL, key)
-
-
-def add_model_call_wrapper(model, key: str, fn) -> None:
-    model.add_wrapper_with_key(APPLY_MODEL, key, fn)
 
 
 REPORT_EVENT = "lora_runtime.report"

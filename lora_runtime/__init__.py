@@ -5,15 +5,15 @@ LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors; stre
 schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
 model_call_context (see `schedule`).
 """
-from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, applied, plan
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
                      MergeRefusedError, NonFiniteMergeError, RestoreError)
-from .policy import DecisionCache, MergeDecision, decide, measure_share_lost
-from .runtime_context import RuntimeContext, current_context, runtime_context
-from .schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,
+from .decision.policy import DecisionCache, MergeDecision, decide, measure_share_lost
+from .layer.runtime_context import RuntimeContext, current_context, runtime_context
+from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,
                        sampling_schedules)
 from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, Tier, parse_merge_mode, parse_tier
-from .wrapper import LoraLinear, mergeable
+from .layer.wrapper import LoraLinear, mergeable
 
 __all__ = [name for name in dir() if not name.startswith("_")]

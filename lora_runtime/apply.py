@@ -22,14 +22,15 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from .adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
-from .param_delta import ParamDelta, ParamPatch
-from .policy import DecisionCache, MergeDecision, decide
-from .runtime_context import runtime_context
-from .schedule import Branch, Schedule, parse_branch, varies
+from .updates.param_delta import ParamDelta, ParamPatch
+from .decision.policy import DecisionCache, MergeDecision, decide
+from .layer.runtime_context import runtime_context
+from .layer.schedule import Branch, Schedule, parse_branch, varies
+from .scaling import combined_factor
 from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
-from .wrapper import LoraLinear, attached_wrapper
+from .layer.wrapper import LoraLinear, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,10 @@ class AdapterSpec:
     name: str | None = None
     enabled: bool = True
     lenient: bool = False   # apply what matches and list the skipped keys, instead of failing
-    # strength over the steps and per CFG branch (see `schedule`): dynamic path only
+    # strength over the steps and per CFG branch (see `schedule`): dynamic path only; `plan`
+    # parses a branch given as text
     schedule: Schedule | None = None
-    branch: str = Branch.BOTH.value
+    branch: Branch = Branch.BOTH
     # the content a loader already read (a sampler then uses exactly that); '' = the file as it is
     content_hash: str = ""
 
@@ -91,11 +93,12 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
     for spec in specs:
         check_strength(spec.strength, what=f"strength of {os.path.basename(spec.path)}")
         branch = parse_branch(spec.branch, where=f"adapter {os.path.basename(spec.path)}")
+        spec = replace(spec, branch=branch) if spec.branch is not branch else spec
         c = spec.schedule.constant() if spec.schedule is not None else None
         if c is not None and c != 1.0 and branch is Branch.BOTH:
             # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
             # runs through the scheduled path, where a unit factor is never multiplied
-            spec = replace(spec, strength=check_strength(spec.strength * c, what=(
+            spec = replace(spec, strength=check_strength(combined_factor(spec.strength, c), what=(
                 f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
         adapter = loader(spec.path, content_hash=spec.content_hash) if spec.content_hash else loader(spec.path)
         name = spec.name or adapter.name
@@ -206,17 +209,8 @@ class LoraInjector:
         for name, entries in wanted.items():
             w = self.wrappers.get(name) or self._wrap(name)
             w.merge_refusal = p.merge_refusals.get(name, "")
-            old = dict(w.slots)
-            w.slots.clear()
-            w._invalidate()
-            for pa, la in entries:
-                slot = old.get(pa.name)
-                if slot is not None and slot.layer is la:
-                    slot.strength, slot.enabled = float(pa.spec.strength), bool(pa.spec.enabled)
-                    w.slots[pa.name] = slot
-                else:
-                    w.add_adapter(pa.name, la, pa.spec.strength, pa.spec.enabled, content_hash=pa.adapter.content_hash)
-            w._invalidate()
+            w.set_slots([(pa.name, la, pa.spec.strength, pa.spec.enabled, pa.adapter.content_hash)
+                         for pa, la in entries])
         wrappers = [self.wrappers[n] for n in wanted]
         varying = {pa.name: pa.spec.varies for pa in p.adapters if pa.spec.varies}
         decision = decide(p.mode, wrappers, cache, [pa.name for pa in p.adapters],
@@ -240,8 +234,8 @@ class LoraInjector:
                        "enabled": pa.spec.enabled, "format": pa.adapter.format,
                        "layers": len(pa.layers), "kinds": dict(pa.coverage.kinds),
                        **({"schedule": pa.spec.schedule.describe()} if pa.spec.schedule is not None else {}),
-                       **({"branch": parse_branch(pa.spec.branch).value}
-                          if parse_branch(pa.spec.branch) is not Branch.BOTH else {})} for pa in p.adapters],
+                       **({"branch": pa.spec.branch.value} if pa.spec.branch is not Branch.BOTH else {})}
+                      for pa in p.adapters],
             layers_wrapped=len(self.wrappers),
             restore_bytes=sum(w.restore_bytes for w in self.wrappers.values())
             + sum(pp.restore_bytes for pp in self.params.values()),
@@ -278,7 +272,7 @@ def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injec
     On exit, also on error or interrupt: fusions unmounted, merged weights restored
     bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
     """
-    from .fusion_sites import mount_fusions
+    from .fusion.fusion_sites import mount_fusions
 
     inj = injector or LoraInjector(model)
     mounted = None

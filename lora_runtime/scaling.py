@@ -1,24 +1,30 @@
-"""The one place where a LoRA delta's scale factors are applied (contracts.md s.3).
+"""The one place where an update's factors are multiplied.
 
-    delta = ((x @ A^T) @ B^T) * (alpha / rank) * strength * runtime_scale
+    delta = update(x) * scale * strength * runtime_scale
 
+Contract
 - A factor equal to 1.0 is never multiplied, in any tier.
-- ``exact`` and calls with no runtime context: the non-unit factors are applied one
-  after the other, in the order above (this *is* the reference path).
-- ``lossless`` / ``high``: the product is applied once, or handed to the caller to
-  fold into a GEMM's alpha; nothing at all when the product is 1.0.
+- ``exact`` and calls with no runtime context: the non-unit factors are applied one after
+  the other, in the order above (this *is* the reference path).
+- ``lossless`` / ``high``: the product is applied once, or handed to the caller to fold
+  into a GEMM's alpha or a kernel's per-rank scale; nothing at all when it is 1.0.
+- Products of python floats are taken left to right (fp64 math), so a factor computed here
+  in two steps has the same bits wherever it is used.
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from .runtime_context import RuntimeContext
 from .settings import Tier
 
+if TYPE_CHECKING:
+    from .layer.runtime_context import RuntimeContext
 
-def folds_scales(ctx: RuntimeContext | None) -> bool:
+
+def folds_scales(ctx: "RuntimeContext | None") -> bool:
     """May this call fold the factors into one product? Only inside a non-exact context."""
     return ctx is not None and ctx.tier is not Tier.EXACT
 
@@ -32,18 +38,37 @@ def combined_factor(*factors: float) -> float:
     return math.prod(nonunit(*factors), start=1.0)
 
 
-def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: RuntimeContext | None,
+def _mul(t: torch.Tensor, inplace: bool):
+    if inplace and not (torch.is_grad_enabled() and t.requires_grad):
+        return lambda d, f: d.mul_(f)
+    return lambda d, f: d * f
+
+
+def times(t: torch.Tensor, factor, inplace: bool = False) -> torch.Tensor:
+    """`t` times one factor (a float, or a tensor that broadcasts); `t` itself when the
+    factor is the float 1.0. `inplace=True` for a tensor the caller just made."""
+    if not isinstance(factor, torch.Tensor) and float(factor) == 1.0:
+        return t
+    return _mul(t, inplace)(t, factor)
+
+
+def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: "RuntimeContext | None",
                 inplace: bool = False) -> torch.Tensor:
-    """Apply `factors` (ordered: alpha/rank, strength, runtime scale) to `delta` per the tier.
+    """Apply `factors` (ordered: scale, strength, runtime scale) to `delta` per the tier.
 
     `inplace=True` for a delta the caller just computed (same bits, no new allocation).
     Returns `delta` itself when every factor is unit.
     """
-    mul = (lambda t, f: t.mul_(f)) if inplace and not (torch.is_grad_enabled() and delta.requires_grad) \
-        else (lambda t, f: t * f)
+    mul = _mul(delta, inplace)
     if folds_scales(ctx):
         s = combined_factor(*factors)
         return delta if s == 1.0 else mul(delta, s)
     for f in nonunit(*factors):
         delta = mul(delta, f)
     return delta
+
+
+def per_rank(ranks_and_factors: Iterable[tuple[int, float]]) -> torch.Tensor:
+    """fp32 [sum r] vector on the CPU: each update's factor repeated over its ranks (the scale
+    of a stacked pair whose updates carry different factors)."""
+    return torch.cat([torch.full((int(r),), f, dtype=torch.float32) for r, f in ranks_and_factors])

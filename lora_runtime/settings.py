@@ -1,6 +1,6 @@
 """Merge modes, quality tiers and the limits on user settings.
 
-Each tier is named after what it guarantees (contracts.md section 1):
+Each tier is named after what it guarantees (docs/engine.md):
 
 - ``exact``: bit-identical to the reference path (eager, unfused, scale factors
   multiplied one after the other in their original order);
@@ -8,7 +8,7 @@ Each tier is named after what it guarantees (contracts.md section 1):
   scales, fuse epilogues that accumulate in fp32, reorder sums;
 - ``high``: close (end to end PSNR >= 30 dB vs exact); may approximate.
 
-Merge modes (contracts.md section 2): ``auto`` (default) measures the share of the
+Merge modes: ``auto`` (default) measures the share of the
 update a merge would round away and keeps the adapters dynamic above
 ``AUTO_MERGE_MAX_ROUNDING_LOSS``; ``merge`` folds them into the weights;
 ``dynamic`` never touches the weights.

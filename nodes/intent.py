@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..lora_runtime import AdapterSpec
-from ..lora_runtime.schedule import parse_schedule
+from ..lora_runtime.layer.schedule import Branch, Schedule
 from ..lora_runtime.settings import DEFAULT_MERGE_MODE, DEFAULT_TIER, MergeMode, Tier
 
 KEY = "lora_runtime"
@@ -23,13 +23,12 @@ class AdapterIntent:
     path: str       # resolved absolute path
     strength: float
     lenient: bool = False  # "skip and report" keys that match nothing, instead of failing
-    schedule: str = ""     # strength_schedule as typed (validated by the node; see lora_runtime.schedule)
-    branch: str = "both"   # which CFG branch the adapter applies to
-    content_hash: str = "" # the content the node read: the sampler uses that, not whatever the file holds later
+    schedule: Schedule | None = None   # strength over the denoising (parsed by the node)
+    branch: Branch = Branch.BOTH       # which CFG branch the adapter applies to
+    content_hash: str = ""             # the content the node read: the sampler uses that, not whatever the file holds later
 
     def spec(self) -> AdapterSpec:
-        return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient,
-                           schedule=parse_schedule(self.schedule, where=f"Load LoRA Adapter ({self.name})"),
+        return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient, schedule=self.schedule,
                            branch=self.branch, content_hash=self.content_hash)
 
 

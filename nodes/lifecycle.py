@@ -35,7 +35,7 @@ import time
 
 from .. import host
 from ..lora_runtime import applied, plan
-from ..lora_runtime.schedule import SamplingSchedules, model_call_context, sampling_schedules
+from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for
@@ -47,15 +47,12 @@ _REPORT_ATTR = "_lora_runtime_report"
 
 
 def is_registered(patcher) -> bool:
-    return bool(host.get_sampler_wrappers(patcher, WRAPPER_KEY))
+    return host.has_wrappers(patcher, WRAPPER_KEY)
 
 
 def register(patcher) -> None:
     """Make every sampling of `patcher` (and of its later clones) run the LoRA runtime."""
-    if not is_registered(patcher):
-        host.add_sampler_wrapper(patcher, WRAPPER_KEY, sampler_sample_wrapper)
-    if not host.get_model_call_wrappers(patcher, WRAPPER_KEY):
-        host.add_model_call_wrapper(patcher, WRAPPER_KEY, apply_model_wrapper)
+    host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper)
 
 
 def last_report(patcher) -> dict | None:
@@ -113,7 +110,7 @@ def _schedules(p, sigmas, patcher) -> SamplingSchedules | None:
     """The strength schedules / branches of the planned adapters against this run's sigmas, or
     None when every adapter has a constant strength on both branches."""
     entries = {pa.name: (pa.spec.schedule, pa.spec.branch) for pa in p.adapters
-               if pa.spec.schedule is not None or pa.spec.branch != "both"}
+               if pa.spec.schedule is not None or pa.spec.branch is not Branch.BOTH}
     if not entries:
         return None
     try:

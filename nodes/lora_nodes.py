@@ -16,8 +16,8 @@ import time
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
-from ..lora_runtime.adapter import check_adapter_file
-from ..lora_runtime.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
+from ..lora_runtime.files.adapter import check_adapter_file
+from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
 from . import intent, lifecycle, report
 from .caches import ADAPTERS
@@ -91,7 +91,7 @@ class LoadLoraAdapter:
             raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")
         where = f"Load LoRA Adapter ({lora_name})"
         schedule = parse_schedule(strength_schedule, where=where)  # a malformed schedule stops the run here
-        branch = parse_branch(branch, where=where).value
+        branch = parse_branch(branch, where=where)
         lenient = unmatched_keys == UNMATCHED_CHOICES[1]
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
@@ -99,8 +99,7 @@ class LoadLoraAdapter:
         _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
                                     log_coverage=False)  # no match raises here
         entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
-                                     lenient, schedule.text if schedule is not None else "", branch,
-                                     adapter.content_hash)
+                                     lenient, schedule, branch, adapter.content_hash)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
 

@@ -18,7 +18,7 @@ import math
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError
-from ..lora_runtime.schedule import BRANCH_CHOICES
+from ..lora_runtime.layer.schedule import BRANCH_CHOICES
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN
 from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter
 

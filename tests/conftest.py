@@ -5,11 +5,8 @@ interpreted, so TRITON_INTERPRET must be set before any kernel module is
 imported. Without CUDA we always interpret: CI has no GPU.
 """
 import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/refdata.py: where the recorded data lives
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

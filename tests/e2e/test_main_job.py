@@ -25,8 +25,9 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
-if not (ROOT / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors").is_file():
-    pytest.skip("embedded model not present", allow_module_level=True)
+from comfyui_lora_runtime.embedded import require_committed_weights
+
+require_committed_weights()  # a checkout without them fails here, never skips
 
 from comfyui_lora_runtime import demo  # noqa: E402
 from comfyui_lora_runtime import embedded as E  # noqa: E402

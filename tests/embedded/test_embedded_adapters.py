@@ -47,7 +47,7 @@ def test_style_adapter_is_kohya_on_the_attention_and_ffn_linears(base_model):
     assert adapter.format == "kohya"
     layers, cov = match_adapter(adapter, base_model)
     assert set(layers) == ALL_TARGETED and not cov.partial
-    assert {la.rank for la in adapter.layers.values()} == {16}
+    assert {la.update.rank for la in adapter.layers.values()} == {16}
 
 
 def test_distilled_adapter_is_peft_with_alpha_in_metadata(base_model):
@@ -58,8 +58,8 @@ def test_distilled_adapter_is_peft_with_alpha_in_metadata(base_model):
     cfg = json.loads(meta["lora_adapter_metadata"])
     adapter = load_adapter(E.DISTILLED_LORA)
     assert adapter.format == "peft"
-    assert {la.alpha for la in adapter.layers.values()} == {float(cfg["lora_alpha"])}
-    assert {la.rank for la in adapter.layers.values()} == {int(cfg["r"])}
+    assert {la.update.alpha for la in adapter.layers.values()} == {float(cfg["lora_alpha"])}
+    assert {la.update.rank for la in adapter.layers.values()} == {int(cfg["r"])}
     layers, cov = match_adapter(adapter, base_model)
     assert set(layers) == DISTILLED_TARGETED and not cov.partial
 
@@ -99,10 +99,10 @@ def test_diffusers_dialect_maps_onto_every_targeted_layer(base_model):
     kohya_layers, _ = match_adapter(load_adapter(E.STYLE_LORA), base_model)
     for name, la in layers.items():
         ka = kohya_layers[name]
-        assert torch.equal(la.down, ka.down) and torch.equal(la.up, ka.up)
-        assert la.alpha_over_rank == ka.alpha_over_rank
+        assert torch.equal(la.update.down, ka.update.down) and torch.equal(la.update.up, ka.update.up)
+        assert la.update.scale == ka.update.scale
     # wrong answer: with the dialect mapping undone the names match nothing
-    from comfyui_lora_runtime.lora_runtime.dialects import resolve
+    from comfyui_lora_runtime.lora_runtime.files.dialects import resolve
     mods = dict(base_model.named_modules())
     assert resolve("transformer.blocks.0.attn1.to_q", mods).module == "blocks.0.self_attn.q"
     assert "blocks.0.attn1.to_q" not in mods

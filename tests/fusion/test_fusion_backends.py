@@ -8,12 +8,12 @@ import torch
 
 from comfyui_lora_runtime.kernels import registry, use_backend
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime import fusion_sites as fs
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.fusion import fusion_sites as fs
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _fixtures import lora_pair, write_kohya
-from _sites import FC1, SiteZoo
+from testkit.fixtures import lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo
 
 SITES = ["blocks.0.ffn", "ff.net.0", "mlp"]
 

@@ -9,13 +9,14 @@ import torch
 
 from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime.fusion_registry import FUSIONS, Fusion, register
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.fusion import fusion_sites
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_registry import FUSIONS, Fusion, register
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.settings import Tier
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _fixtures import assert_lossless, lora_pair, write_kohya
-from _sites import FC1, SiteZoo
+from testkit.fixtures import assert_lossless, lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo
 
 
 def test_a_fusion_that_picks_no_side_cannot_register():
@@ -42,7 +43,7 @@ def _truth(model, x):
     for mod in [attached_wrapper(m) for m in m64.modules()]:
         if mod is not None:
             for s in mod.slots.values():
-                s.variant.clear_cache()
+                s.update.clear_cache()
             mod._stack_cache.clear()
     with torch.no_grad(), runtime_context(tier="exact"):
         return m64(x.double())

@@ -7,10 +7,10 @@ import torch
 
 from comfyui_lora_runtime.kernels.registry import interpreting, triton_importable
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime.fusion_sites import mount_fusions
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 
-from _fixtures import lora_pair, write_kohya
-from _sites import FC1, SiteZoo, routes_of
+from testkit.fixtures import lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo, routes_of
 
 POS_ROWS = torch.tensor([0.0, 0.0, 1.0, 1.0])  # CFG batch, negative rows first
 

@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, applied, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime.fusion_sites import find_sites, mount_fusions
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import find_sites, mount_fusions
 
-from _fixtures import lora_pair, write_kohya
-from _sites import FC1, SiteZoo, routes_of
+from testkit.fixtures import lora_pair, write_kohya
+from testkit.sites import FC1, SiteZoo, routes_of
 
 SITES = ["blocks.0.ffn", "ff.net.0", "mlp"]
 
@@ -126,10 +126,10 @@ def test_offsets_and_dora_are_never_fused_with_the_base_weight():
     m.unmount()
     assert m.sites[0].routes == {"unfused (dora update: a fused kernel takes plain LoRA only)": 1}
     w.remove_adapter("dora")
-    from comfyui_lora_runtime.lora_runtime import variants
+    from comfyui_lora_runtime.lora_runtime import updates
     g = torch.Generator().manual_seed(3)
-    loha = variants.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
-    w.add_adapter("loha", LayerAdapter("x", variant=loha), 1.0)
+    loha = updates.LoHa(*(torch.randn(s_, generator=g) * 0.3 for s_ in ((40, 2), (2, 24), (40, 2), (2, 24))))
+    w.add_adapter("loha", LayerAdapter("x", update=loha), 1.0)
     m = mount_fusions(model, "lossless", backend="torch")
     with torch.no_grad(), runtime_context(tier="lossless"):
         y = model.blocks[0].ffn(x)
@@ -196,7 +196,7 @@ def test_applied_mounts_reports_and_unmounts(tmp_path):
 
 
 def test_a_kernel_that_fails_its_probe_leaves_the_site_unmounted(tmp_path, monkeypatch):
-    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+    import comfyui_lora_runtime.lora_runtime.fusion.fusion_sites as fs
 
     def broken(*a, **k):
         raise RuntimeError("PTX not supported on this GPU")
@@ -217,7 +217,7 @@ def test_a_kernel_that_fails_its_probe_leaves_the_site_unmounted(tmp_path, monke
 
 
 def test_a_kernel_that_computes_wrong_in_its_probe_is_not_mounted(monkeypatch):
-    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+    import comfyui_lora_runtime.lora_runtime.fusion.fusion_sites as fs
     monkeypatch.setattr(fs, "linear_gelu_tanh", lambda x, w, b, backend: torch.zeros(x.shape[0], w.shape[0]))
     m = mount_fusions(SiteZoo(), "lossless", backend="torch")
     assert m.sites == [] and all("computed wrong" in v for v in m.skipped.values())
@@ -226,7 +226,7 @@ def test_a_kernel_that_computes_wrong_in_its_probe_is_not_mounted(monkeypatch):
 def test_an_error_while_sampling_propagates_after_the_restore(tmp_path, monkeypatch):
     """Once mounted nothing is caught: an out-of-memory inside a fused kernel ends the
     run with that error, and applied() has restored every weight and forward by then."""
-    import comfyui_lora_runtime.lora_runtime.fusion_sites as fs
+    import comfyui_lora_runtime.lora_runtime.fusion.fusion_sites as fs
     model = SiteZoo()
     snap = copy.deepcopy(model.state_dict())
     spec = [AdapterSpec(str(_adapter_file(tmp_path, model, FC1)))]

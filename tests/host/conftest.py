@@ -18,7 +18,7 @@ def _reference_dir() -> Path:
     env = os.environ.get("LORA_RUNTIME_REFERENCE_DIR")
     if env:
         return Path(env)
-    from refdata import REF
+    from testkit.refdata import REF
     return REF
 
 

@@ -18,7 +18,7 @@ from comfyui_lora_runtime.host.bundled.model_patcher import (BundledModel, Bundl
                                                              ModelSamplingFlow)
 from comfyui_lora_runtime.host.bundled.png_metadata import read_png_metadata, save_png
 
-from refdata import REF  # noqa: E402
+from testkit.refdata import REF  # noqa: E402
 
 
 # -- model folders ------------------------------------------------------------
@@ -206,7 +206,7 @@ def reference_prompt(steps=4, shift=None):
 def ref_folders(tmp_path):
     pytest.importorskip("comfyui_lora_runtime.host.bundled.wan21")
     pytest.importorskip("comfyui_lora_runtime.host.bundled.sampling")
-    from refdata import ref_file
+    from testkit.refdata import ref_file
     ref_file("tiny_wan_d128_l2.safetensors")
     dm = tmp_path / "models" / "diffusion_models"
     dm.mkdir(parents=True)

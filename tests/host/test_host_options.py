@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from comfyui_lora_runtime.embedded import require_committed_weights
 from comfyui_lora_runtime.__main__ import main
 from comfyui_lora_runtime.host.bundled import core_nodes, folder_paths, options
 from comfyui_lora_runtime.host.bundled.executor import execute_prompt
@@ -72,8 +73,7 @@ def test_cli_passes_the_dtype_without_touching_the_environment(tmp_path, flag, e
 
 def test_unet_loader_loads_in_the_option_dtype():
     name = "tiny_wan_glyphs.safetensors"
-    if not (ROOT / "models" / "diffusion_models" / name).is_file():
-        pytest.skip("embedded model not present")
+    require_committed_weights()  # a checkout without them fails, never skips
     with folder_paths.activated(folder_paths.ModelFolders(models_dir=ROOT / "models")):
         with options.using(unet_dtype="bf16"):
             (bf16,) = core_nodes.UNETLoader().load_unet(name, "default")

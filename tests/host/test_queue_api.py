@@ -64,12 +64,12 @@ def test_real_reports_from_the_bundled_host(tmp_path):
     import json
 
     from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.embedded import require_committed_weights
     from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
     from comfyui_lora_runtime.host.bundled.executor import execute_prompt
 
     root = SCRIPT.parents[1]
-    if not (root / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors").is_file():
-        pytest.skip("embedded model not present")
+    require_committed_weights()  # a checkout without them fails, never skips
     classes = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
     def first_line(workflow, mode):

@@ -51,7 +51,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # _lora_assets: the adapter files the tests write
 REPO = HERE.parents[1]
 PACK_LINK_NAME = "comfyui-lora-runtime"
 HELPER_PACK_NAME = "zz_lora_runtime_it_nodes"

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, psnr, sampling_graph, write_kohya_lora
+from testkit.lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, psnr, sampling_graph, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
 
 LORA_A = "it_style_a.safetensors"     # the style adapter test_workflows_real.py writes (rank 4, alpha 4, fp32)

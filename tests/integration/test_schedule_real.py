@@ -23,7 +23,7 @@ import pytest
 
 from test_any_sampler_real import (MODEL, SETTINGS, Prompt, assert_bitwise, assert_changed,
                                    assert_psnr, psnr, reports_sent, run)
-from _lora_assets import write_kohya_lora
+from testkit.lora_assets import write_kohya_lora
 
 LORA = "it_sched_style.safetensors"
 

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights, psnr,
+from testkit.lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights, psnr,
                           sampling_graph, save_adapter_file, write_variant_file)
 from safetensors.torch import load as load_safetensors_bytes
 
@@ -73,7 +73,6 @@ MIN_EFFECT = 0.05  # an adapter moves the latent by at least this much (relative
 N_LINEARS = 10 * BLOCKS
 SETTINGS = {"seed": 42, "steps": 3, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple"}
 _counter = itertools.count()
-REPO = Path(__file__).resolve().parents[2]
 
 # the kinds our report must list per file (coverage.kinds: variant kind -> targets)
 PARAMS_LIGHTX2V = 4 * BLOCKS + 1  # per block norm3.weight, norm3.bias, a norm's weight, modulation; head.modulation
@@ -316,9 +315,7 @@ def test_dora_delta_conventions(reference, tmp_path, kind, inference):
     ComfyUI test above compares ours with; comfy_quirk=True == the "original" (ComfyUI) convention for
     [out, 1]; [1, in] is the same in both; also on a weight made under torch.inference_mode (as
     ComfyUI's are: no version counter)."""
-    import sys
-    sys.path.insert(0, str(REPO))
-    from lora_runtime import variants
+    from comfyui_lora_runtime.lora_runtime import updates
     model_path = reference / MODEL
     sd = write_variant_file(tmp_path / "d.safetensors", kind, seed=1300 + VARIANT_KINDS.index(kind),
                             model_path=model_path)
@@ -327,7 +324,7 @@ def test_dora_delta_conventions(reference, tmp_path, kind, inference):
         ref = dora_as_diff(sd, model_path, conv)
         for name, _, _ in _wan_modules():
             st = f"diffusion_model.{name}"
-            v = variants.detect({p: sd[f"{st}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha",
+            v = updates.detect({p: sd[f"{st}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha",
                                                                "dora_scale")}, stem=name, comfy_quirk=quirk)
             if inference:
                 with torch.inference_mode():

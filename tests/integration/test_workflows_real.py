@@ -25,7 +25,7 @@ import time
 
 import pytest
 import torch
-from _lora_assets import DIM, save_adapter_file, write_kohya_lora
+from testkit.lora_assets import DIM, save_adapter_file, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
@@ -450,7 +450,7 @@ def test_report_has_coverage_for_an_adapter_in_a_subfolder(assets, cond_class):
 # ---------------------------------------------------------------------------
 # (e2) bad adapter files: refused by /prompt (HTTP 400 node_errors) from the header alone
 # ---------------------------------------------------------------------------
-from bad_adapter_files import EXPECTED, write_bad_files  # noqa: E402
+from testkit.bad_adapter_files import EXPECTED, write_bad_files  # noqa: E402
 
 
 @pytest.mark.parametrize("name,message", [("zz_" + k, v) for k, v in EXPECTED.items()])

@@ -1,15 +1,8 @@
-"""Kernel-test setup: make _compare importable (pytest runs with
---import-mode=importlib, which puts no test folder on sys.path) and pick the
-device the Triton kernels run on."""
-import os
-import sys
-
+"""Kernel-test setup: pick the device the Triton kernels run on."""
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from comfyui_lora_runtime.kernels.registry import interpreting, triton_importable  # noqa: E402
+from comfyui_lora_runtime.kernels.registry import interpreting, triton_importable
 
 
 @pytest.fixture

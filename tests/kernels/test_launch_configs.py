@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from _compare import assert_close, order_atol
+from testkit.compare import assert_close, order_atol
 
 from comfyui_lora_runtime.kernels import launch_configs as lc
 

@@ -3,7 +3,7 @@ against its fp32 torch reference and an fp64 ground truth."""
 import pytest
 import torch
 import torch.nn.functional as F
-from _compare import assert_close, assert_differs, assert_within_relative_rule, order_atol
+from testkit.compare import assert_close, assert_differs, assert_within_relative_rule, order_atol
 
 from comfyui_lora_runtime.kernels.linear_gelu_tanh import (linear_gelu_tanh, linear_gelu_tanh_eager,
                                                            linear_gelu_tanh_torch)

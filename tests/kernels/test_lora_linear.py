@@ -4,7 +4,7 @@ against its fp32 torch reference, an fp64 ground truth and the wrong answers
 import pytest
 import torch
 import torch.nn.functional as F
-from _compare import assert_close, assert_differs, assert_within_relative_rule, order_atol
+from testkit.compare import assert_close, assert_differs, assert_within_relative_rule, order_atol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_eager, lora_linear_torch

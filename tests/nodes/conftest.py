@@ -1,22 +1,17 @@
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime"))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from refdata import REF, ref_file  # noqa: E402
+from testkit.refdata import REF, ref_file
 
 
 @pytest.fixture
 def models_dir(tmp_path):
     """A loras + diffusion_models folder with the reference tiny Wan and a few adapters."""
     ref_file("tiny_wan_d128_l2.safetensors")
-    from _fixtures import write_kohya, write_peft
+    from testkit.fixtures import write_kohya, write_peft
     from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
 
     (tmp_path / "diffusion_models").mkdir()

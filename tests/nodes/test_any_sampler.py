@@ -8,11 +8,11 @@ import torch
 from comfyui_lora_runtime.host.bundled import progress
 from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
 from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt
-from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraRuntimeReport
 
-from _nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights
+from testkit.nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights
 
 
 def _ksampler(model, seed=42, steps=3):

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.host.bundled import progress
-from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode
 
-from _nodes_helpers import _sample, _weights
-from test_owned_bytes import rewrite_data_in_place  # noqa: E402  (tests/runtime is on sys.path)
+from testkit.bad_adapter_files import rewrite_data_in_place
+from testkit.nodes_helpers import _sample, _weights
 
 
 def _change(path, how):

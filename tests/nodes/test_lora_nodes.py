@@ -11,11 +11,11 @@ from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPING
 from comfyui_lora_runtime.host.bundled.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
                                                         validate_prompt)
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
-from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
-from bad_adapter_files import EXPECTED, write_bad_files
-from _nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  # noqa: F401
+from testkit.bad_adapter_files import EXPECTED, write_bad_files
+from testkit.nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  # noqa: F401
 
 
 def test_no_adapter_equals_ksampler_bit_for_bit(base):

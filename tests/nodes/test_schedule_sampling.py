@@ -13,11 +13,11 @@ import torch
 from comfyui_lora_runtime.host.bundled import folder_paths, sampling
 from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraRuntimeError, applied, plan
-from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 
-from _nodes_helpers import CondPos, _weights
+from testkit.nodes_helpers import CondPos, _weights
 
 STEPS, SEED, CFG = 6, 42, 5.0
 

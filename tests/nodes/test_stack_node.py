@@ -11,7 +11,7 @@ from comfyui_lora_runtime.nodes import intent
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
 from comfyui_lora_runtime.nodes.stack_node import LoraStack, parse_rows
 
-from _nodes_helpers import CLASSES, Capture  # noqa: F401
+from testkit.nodes_helpers import CLASSES, Capture  # noqa: F401
 
 ROWS = [{"on": True, "lora": "style.safetensors", "strength": 0.8},
         {"on": True, "lora": "sub/second.safetensors", "strength": -0.5, "schedule": "0:1, 0.5:0.25",

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import (AdapterFileError, AdapterFormatError, AdapterMatchError, load_adapter,
                                                match_adapter)
 
-from _fixtures import (TinyWanLike, linear_names, make_adapter_tensors, wan_native_to_diffusers, write_kohya,
+from testkit.fixtures import (TinyWanLike, linear_names, make_adapter_tensors, wan_native_to_diffusers, write_kohya,
                        write_peft)
 
 
@@ -42,19 +42,19 @@ def test_every_dialect_maps_onto_every_linear(tmp_path, model):
         assert sorted(layers) == sorted(linear_names(model)), dialect
         assert not report.partial, (dialect, report.examples())
         for name, la in layers.items():
-            assert torch.equal(la.down, pairs[name][0]), (dialect, name)
-            assert torch.equal(la.up, pairs[name][1]), (dialect, name)
-            assert la.alpha == 2.0 and la.alpha_over_rank == 0.5, dialect
+            assert torch.equal(la.update.down, pairs[name][0]), (dialect, name)
+            assert torch.equal(la.update.up, pairs[name][1]), (dialect, name)
+            assert la.update.alpha == 2.0 and la.update.scale == 0.5, dialect
 
 
 def test_alpha_per_layer_tensor_then_metadata_then_rank(tmp_path, model):
     pairs = make_adapter_tensors(model, r=4, only=["ffn.0"])
     a = load_adapter(write_kohya(tmp_path / "a.safetensors", pairs, alpha=3.0))
-    assert all(la.alpha == 3.0 for la in a.layers.values())
+    assert all(la.update.alpha == 3.0 for la in a.layers.values())
     b = load_adapter(write_peft(tmp_path / "b.safetensors", pairs, alpha=1.5))
-    assert all(la.alpha == 1.5 and isinstance(la.alpha, float) for la in b.layers.values())
+    assert all(la.update.alpha == 1.5 and isinstance(la.update.alpha, float) for la in b.layers.values())
     c = load_adapter(write_peft(tmp_path / "c.safetensors", pairs))
-    assert all(la.alpha is None and la.alpha_over_rank == 1.0 for la in c.layers.values())  # alpha = rank
+    assert all(la.update.alpha is None and la.update.scale == 1.0 for la in c.layers.values())  # alpha = rank
 
 
 def test_partial_coverage_is_reported_with_examples(tmp_path, model):
@@ -151,8 +151,8 @@ def test_diff_dora_and_offset_keys(tmp_path, model):
     save_file(sd, str(tmp_path / "d.safetensors"))
     layers, report = match_adapter(load_adapter(tmp_path / "d.safetensors"), model)
     assert set(layers) == {"blocks.0.ffn.0", "blocks.0.ffn.2"} and not report.partial
-    assert layers["blocks.0.ffn.0"].diff_b is not None and layers["blocks.0.ffn.0"].diff is not None
-    assert layers["blocks.0.ffn.2"].dora_scale is not None
+    assert layers["blocks.0.ffn.0"].update.diff_b is not None and layers["blocks.0.ffn.0"].update.diff is not None
+    assert layers["blocks.0.ffn.2"].update.magnitude is not None
 
 
 def test_a_header_length_starting_with_0x80_is_still_safetensors(tmp_path, model):
@@ -210,9 +210,9 @@ def test_fp8_factors_are_upcast_and_said_so(tmp_path, model):
     save_file(sd, str(tmp_path / "fp8.safetensors"))
     ad = load_adapter(tmp_path / "fp8.safetensors")
     la = next(iter(ad.layers.values()))
-    assert la.down.dtype == torch.float32 and any("upcast" in n for n in ad.notes)
+    assert la.update.down.dtype == torch.float32 and any("upcast" in n for n in ad.notes)
     name, (d, _) = next(iter(pairs.items()))
-    assert torch.equal(la.down, d.to(torch.float8_e4m3fn).float())  # the stored values, exactly
+    assert torch.equal(la.update.down, d.to(torch.float8_e4m3fn).float())  # the stored values, exactly
 
 
 def test_a_web_page_saved_as_safetensors_says_download_again(tmp_path):

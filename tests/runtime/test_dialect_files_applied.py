@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _dialect_models import DIALECT_FILES, MODELS, make_dialect_file
+from testkit.dialect_models import DIALECT_FILES, MODELS, make_dialect_file
 
 
 @pytest.mark.parametrize("dialect", list(DIALECT_FILES))
@@ -76,11 +76,11 @@ def test_matching_a_cached_adapter_twice_gives_the_same_updates(tmp_path):
     first, _ = match_adapter(adapter, model)
     second, _ = match_adapter(adapter, model)
     for name, la in first.items():
-        v1, v2 = la.variant, second[name].variant
+        v1, v2 = la.update, second[name].update
         assert torch.equal(v1.delta(), v2.delta()), name
         b1, b2 = v1.bias_delta(), v2.bias_delta()
         assert (b1 is None) == (b2 is None) and (b1 is None or torch.equal(b1, b2)), name
     qkv = next(n for n in first if n.endswith("double_blocks.0.img_attn.qkv"))
-    assert first[qkv].variant.bias_delta() is not None
+    assert first[qkv].update.bias_delta() is not None
     final = next(n for n in first if n.endswith("final_layer.adaLN_modulation.1"))
-    assert torch.allclose(first[final].variant.delta().double(), expected[final], rtol=1e-5, atol=1e-7)
+    assert torch.allclose(first[final].update.delta().double(), expected[final], rtol=1e-5, atol=1e-7)

@@ -1,4 +1,4 @@
-"""Key dialects (lora_runtime/dialects.py) against hand-written tables (_dialect_models.py)."""
+"""Key dialects (lora_runtime/files/dialects.py) against hand-written tables (_dialect_models.py)."""
 from __future__ import annotations
 
 import functools
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime import dialects as D
-from comfyui_lora_runtime.lora_runtime import key_formats
+from comfyui_lora_runtime.lora_runtime.files import dialects as D
+from comfyui_lora_runtime.lora_runtime.files import key_formats
 
-import _dialect_models as M
-from _fixtures import TinyWanLike, wan_native_to_diffusers
+from testkit import dialect_models as M
+from testkit.fixtures import TinyWanLike, wan_native_to_diffusers
 
 DIALECTS = sorted(M.DIALECT_FILES)
 
@@ -346,7 +346,7 @@ def test_lora_wrapped_modules_resolve_to_the_wrapper_and_no_model_is_kept_alive(
     import gc
     import weakref
 
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
     model = M.TinyFlux()
     blk = model.double_blocks[0].img_attn

@@ -13,7 +13,7 @@ from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 
-from _fixtures import TinyWanLike, linear_names, wan_native_to_diffusers
+from testkit.fixtures import TinyWanLike, linear_names, wan_native_to_diffusers
 
 peft = pytest.importorskip("peft", reason="peft is a test dependency: pip install -e '.[test]'")
 diffusers_loaders = pytest.importorskip("diffusers.loaders", reason="diffusers is a test dependency")

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-from comfyui_lora_runtime.lora_runtime.merge import merge_weight, restore_weight, row_chunks
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
-from _fixtures import lora_pair
+from testkit.fixtures import lora_pair
 
 
 def _wrapped(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat16, seed=0):
@@ -26,7 +26,7 @@ def test_merge_is_one_fp32_rounding_and_restore_is_bit_exact(dtype):
     w = _wrapped(dtype=dtype, rel=0.03)
     before = w.weight.detach().clone()
     la = w.slots["a"].layer
-    expected = (before.float() + la.up.float() @ la.down.float()).to(dtype)
+    expected = (before.float() + la.update.up.float() @ la.update.down.float()).to(dtype)
     w.merge()
     assert torch.equal(w.weight, expected)
     assert not torch.equal(w.weight, before)
@@ -63,7 +63,7 @@ def test_subtracting_the_delta_would_drift():
     w = _wrapped(rel=0.03)
     before = w.weight.detach().clone()
     la = w.slots["a"].layer
-    d = la.up.float() @ la.down.float()
+    d = la.update.up.float() @ la.update.down.float()
     naive = ((before.float() + d).to(before.dtype).float() - d).to(before.dtype)
     changed = (naive != before).float().mean().item()
     assert changed > 0.001

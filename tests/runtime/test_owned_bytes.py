@@ -11,20 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.lora_runtime.adapter import load_adapter
-from comfyui_lora_runtime.lora_runtime.safetensors_file import load_safetensors
-
-
-def rewrite_data_in_place(path, value: float = 0.25) -> None:
-    """Overwrite every tensor byte of a safetensors file in place (same inode, same size)
-    with float32 `value`: what a trainer saving to the same name does to a mapping."""
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        size = os.fstat(f.fileno()).st_size
-        f.seek(8 + n)
-        f.write(struct.pack("<f", value) * ((size - 8 - n) // 4))
-        f.flush()
-        os.fsync(f.fileno())
+from comfyui_lora_runtime.lora_runtime.files.adapter import load_adapter
+from comfyui_lora_runtime.lora_runtime.files.safetensors_file import load_safetensors
+from testkit.bad_adapter_files import rewrite_data_in_place
 
 
 def _file(tmp_path):
@@ -61,9 +50,9 @@ def test_loaded_adapter_is_unchanged_by_an_in_place_rewrite(tmp_path):
     p, sd = _file(tmp_path)
     a = load_adapter(p)
     (la,) = a.layers.values()
-    down0 = la.variant.down.clone()
+    down0 = la.update.down.clone()
     rewrite_data_in_place(p, 3.0)
-    assert torch.equal(la.variant.down, down0)
+    assert torch.equal(la.update.down, down0)
     assert torch.equal(down0, sd["lora_unet_blocks_0_ffn_0.lora_down.weight"])
     assert load_adapter(p).content_hash != a.content_hash                # the rewritten file reads as new content
 
@@ -112,7 +101,7 @@ def test_malformed_headers_are_file_errors_when_loading_too(tmp_path):
     """The same checks guard the full load (not only prompt validation): an error naming
     the file and the fault, never a raw AttributeError / RecursionError / library error."""
     import pytest
-    from bad_adapter_files import EXPECTED, write_bad_files
+    from testkit.bad_adapter_files import EXPECTED, write_bad_files
     from comfyui_lora_runtime.lora_runtime.errors import AdapterFileError
 
     write_bad_files(tmp_path)

@@ -10,7 +10,7 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 
-from _fixtures import TinyWanLike
+from testkit.fixtures import TinyWanLike
 
 peft = pytest.importorskip("peft", reason="peft is a test dependency: pip install -e '.[test]'")
 

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import (AUTO_MERGE_MAX_ROUNDING_LOSS, AdapterSpec, ConfigError, DecisionCache,
                                                LoraInjector, MergeRefusedError, NonFiniteMergeError, applied, plan)
 
-from _fixtures import TinyWanLike, assert_no_runtime_left, make_adapter_tensors, write_kohya, write_peft
+from testkit.fixtures import TinyWanLike, assert_no_runtime_left, make_adapter_tensors, write_kohya, write_peft
 
 
 def _snapshot(model):

@@ -4,9 +4,9 @@ import math
 import torch
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, measure_share_lost
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
-from _fixtures import lora_pair
+from testkit.fixtures import lora_pair
 
 
 def _wrapped(rel, dtype=torch.bfloat16, out_f=512, in_f=384, r=16, seed=0):

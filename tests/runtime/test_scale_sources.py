@@ -1,4 +1,4 @@
-"""Where each adapter's scale comes from (lora_runtime/scale_sources.py): every source a
+"""Where each adapter's scale comes from (lora_runtime/files/scale_sources.py): every source a
 real file keeps it in, in the documented precedence, checked on the applied output
 against a reference with the intended scale and against the wrong one (the scale the
 loader used before: 1.0), and the report says where it came from."""
@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
 
-from _fixtures import TinyWanLike, make_adapter_tensors
+from testkit.fixtures import TinyWanLike, make_adapter_tensors
 
 R = 4
 

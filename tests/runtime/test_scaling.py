@@ -6,9 +6,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
-from _fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
+from testkit.fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
 
 
 class MulCounter(TorchDispatchMode):
@@ -38,7 +38,7 @@ def test_mul_count_per_tier(tier, strength, rs, alpha):
     w = LoraLinear(lin, "l")
     w.add_adapter("a", la, strength)
     x = torch.randn(5, 48)
-    nonunit = sum(f != 1.0 for f in (la.alpha_over_rank, strength, rs))
+    nonunit = sum(f != 1.0 for f in (la.update.scale, strength, rs))
     ctx = runtime_context(tier=tier, scale=rs) if tier else runtime_context(scale=rs)
     with ctx, torch.no_grad():
         w(x)  # warm the stacked-weight cache
@@ -60,7 +60,7 @@ def test_no_context_is_the_reference_order():
     with torch.no_grad(), MulCounter() as c:
         y = w(x)
     assert c.muls == 2
-    ref = reference_forward(x, lin.weight, lin.bias, [(la.down, la.up, 0.5, 0.7)])
+    ref = reference_forward(x, lin.weight, lin.bias, [(la.update.down, la.update.up, 0.5, 0.7)])
     assert torch.equal(y, ref)
 
 
@@ -72,7 +72,7 @@ def test_exact_is_bit_identical_to_reference(dtype):
     w.add_adapter("a", la, 0.7)
     w.add_adapter("b", la2, -0.5)
     x = torch.randn(2, 7, 48).to(dtype)
-    slots = [(la.down, la.up, 3.0 / 8, 0.7), (la2.down, la2.up, 1.0, -0.5)]
+    slots = [(la.update.down, la.update.up, 3.0 / 8, 0.7), (la2.update.down, la2.update.up, 1.0, -0.5)]
     with torch.no_grad(), runtime_context(tier="exact", scale=0.6):
         y = w(x)
     ref = reference_forward(x, lin.weight, lin.bias, slots, 0.6)

@@ -7,11 +7,11 @@ import torch
 from comfyui_lora_runtime.host.bundled.model_patcher import ModelSamplingFlow
 from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, ConfigError, LoraInjector, MergeMode, plan
-from comfyui_lora_runtime.lora_runtime.runtime_context import current_context
-from comfyui_lora_runtime.lora_runtime.schedule import (Branch, SamplingSchedules, model_call_context,
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
+from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context, parse_branch,
                                                         parse_schedule, sampling_schedules, varies)
 
-from _fixtures import TinyWanLike, make_adapter_tensors, write_kohya
+from testkit.fixtures import TinyWanLike, make_adapter_tensors, write_kohya
 
 
 # --- formats ---------------------------------------------------------------------------
@@ -48,16 +48,16 @@ def test_malformed_schedules_name_the_node_and_the_fix(text, says):
 
 def test_length_must_match_the_steps_the_sampler_runs():
     sigmas = flow_sigmas(8, "simple", shift=8.0)
-    SamplingSchedules({"a": (parse_schedule("1,1,1,1,0,0,0,0"), "both")}, sigmas)  # fits
+    SamplingSchedules({"a": (parse_schedule("1,1,1,1,0,0,0,0"), Branch.BOTH)}, sigmas)  # fits
     with pytest.raises(ConfigError) as e:
-        SamplingSchedules({"a": (parse_schedule("1,1,0"), "both")}, sigmas, where={"a": "Load LoRA Adapter 'a'"})
+        SamplingSchedules({"a": (parse_schedule("1,1,0"), Branch.BOTH)}, sigmas, where={"a": "Load LoRA Adapter 'a'"})
     assert "has 3 values but this sampler runs 8 steps" in str(e.value) and "keyframes" in str(e.value)
 
 
 # --- which step a model call belongs to ------------------------------------------------
 def test_step_of_a_model_call():
     sigmas = flow_sigmas(6, "simple", shift=8.0)
-    s = SamplingSchedules({"a": (parse_schedule("0,1,2,3,4,5"), "both")}, sigmas)
+    s = SamplingSchedules({"a": (parse_schedule("0,1,2,3,4,5"), Branch.BOTH)}, sigmas)
     sig = [float(v) for v in sigmas]
     for i in range(6):
         assert s.step_of(sig[i]) == i                              # Euler & co: the step's own sigma
@@ -72,7 +72,7 @@ def test_step_of_a_model_call():
 def test_keyframes_follow_comfyui_start_percent_convention():
     ms = ModelSamplingFlow(shift=8.0)
     sigmas = flow_sigmas(10, "simple", shift=8.0)
-    s = SamplingSchedules({"a": (parse_schedule("0:1, 0.5:0"), "both")}, sigmas, ms.percent_to_sigma)
+    s = SamplingSchedules({"a": (parse_schedule("0:1, 0.5:0"), Branch.BOTH)}, sigmas, ms.percent_to_sigma)
     start = ms.percent_to_sigma(0.5)  # ComfyUI: a keyframe applies where start_sigma >= sigma (fp32 tensor)
     got = [s.multiplier("a", float(v)) for v in sigmas[:-1]]
     want = [0.0 if bool(start >= v) else 1.0 for v in sigmas[:-1]]
@@ -80,7 +80,7 @@ def test_keyframes_follow_comfyui_start_percent_convention():
     # "simple" is uniform in model time, so percent 0.5 is the second half of the steps
     assert got == [1.0] * 5 + [0.0] * 5
     # before the first keyframe the multiplier is 1.0 (ComfyUI's rule)
-    late = SamplingSchedules({"a": (parse_schedule("0.3:0.5"), "both")}, sigmas, ms.percent_to_sigma)
+    late = SamplingSchedules({"a": (parse_schedule("0.3:0.5"), Branch.BOTH)}, sigmas, ms.percent_to_sigma)
     assert late.multiplier("a", float(sigmas[0])) == 1.0 and late.multiplier("a", float(sigmas[-2])) == 0.5
     assert ms.percent_to_sigma(0.0) == 1.0 and ms.percent_to_sigma(1.0) == 0.0
 
@@ -88,8 +88,8 @@ def test_keyframes_follow_comfyui_start_percent_convention():
 # --- branches -----------------------------------------------------------------------------
 def test_branch_rows_follow_cond_or_uncond():
     sigmas = flow_sigmas(4, "simple", shift=8.0)
-    s = SamplingSchedules({"pos": (None, "positive only"), "neg": (None, Branch.NEGATIVE),
-                           "both": (parse_schedule("1,0.5,0,0"), "both")}, sigmas)
+    s = SamplingSchedules({"pos": (None, Branch.POSITIVE), "neg": (None, Branch.NEGATIVE),
+                           "both": (parse_schedule("1,0.5,0,0"), Branch.BOTH)}, sigmas)
     sig0 = float(sigmas[1])
     out = s.call_scales(sig0, [1, 0], 4, "cpu")  # bundled/ComfyUI CFG batch: negative rows first here
     assert out["pos"][0] == 1.0 and out["pos"][1].tolist() == [0, 0, 1, 1]
@@ -104,7 +104,7 @@ def test_branch_rows_follow_cond_or_uncond():
 
 def test_model_call_context_sets_the_factors_only_inside_a_sampling():
     sigmas = flow_sigmas(2, "simple", shift=8.0)
-    s = SamplingSchedules({"a": (parse_schedule("0.25, 0"), "positive only")}, sigmas)
+    s = SamplingSchedules({"a": (parse_schedule("0.25, 0"), Branch.POSITIVE)}, sigmas)
     x = torch.zeros(4, 3)
     with model_call_context(x, sigmas[0].expand(2), [1, 0]):
         assert current_context() is None  # no sampling: nothing set
@@ -163,6 +163,15 @@ def test_merge_mode_refuses_a_varying_adapter(tmp_path):
 
 
 def test_varies():
-    assert varies(None, "both") == "" and varies(parse_schedule("1,1"), "both") == ""
-    assert "schedule" in varies(parse_schedule("1,0"), "both")
-    assert "positive branch only" in varies(None, "positive only")
+    assert varies(None, Branch.BOTH) == "" and varies(parse_schedule("1,1"), Branch.BOTH) == ""
+    assert "schedule" in varies(parse_schedule("1,0"), Branch.BOTH)
+    assert "positive branch only" in varies(None, Branch.POSITIVE)
+
+
+def test_a_branch_is_parsed_once_at_the_boundary():
+    """The node and `plan` parse the text; the sampling schedules take the typed value only, so a
+    string reaching them is a programming error, not a branch silently read as 'negative'."""
+    sigmas = flow_sigmas(2, "simple", shift=8.0)
+    with pytest.raises(TypeError, match="parse_branch"):
+        SamplingSchedules({"a": (None, "positive only")}, sigmas)
+    assert SamplingSchedules({"a": (None, parse_branch("positive only"))}, sigmas).entries["a"][1] is Branch.POSITIVE

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
-from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
-from _fixtures import assert_lossless, lora_pair, reference_forward, truth_fp64
+from testkit.fixtures import assert_lossless, lora_pair, reference_forward, truth_fp64
 
 ROWS = 4  # a CFG batch of 2 + 2: negative rows first (cond_or_uncond [1, 0])
 POS_ROWS = torch.tensor([0.0, 0.0, 1.0, 1.0])

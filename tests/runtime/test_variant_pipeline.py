@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.runtime_context import runtime_context
-from comfyui_lora_runtime.lora_runtime.wrapper import attached_wrapper
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from _fixtures import TinyWanLike, assert_no_runtime_left
+from testkit.fixtures import TinyWanLike, assert_no_runtime_left
 
 LAYER = "blocks.0.ffn.0"          # Linear 32 -> 64
 OUT, IN = 64, 32
@@ -156,11 +156,11 @@ def test_variant_output_against_fp64_and_wrong_answers(tmp_path, kind, mode, tie
             y = layer(x)
         w = attached_wrapper(layer)
         slot = next(iter(w.slots.values()))
-        assert slot.variant.kind == {"full": "diff"}.get(kind, kind.split("_")[0]), slot.variant
+        assert slot.update.kind == {"full": "diff"}.get(kind, kind.split("_")[0]), slot.update
         assert rep.decision.chosen == mode
         assert w.merged == (mode == "merge")
         if tier == "exact":  # bit for bit against the eager reference path, written out here
-            v = slot.variant
+            v = slot.update
             with torch.no_grad():
                 if mode == "merge":
                     wm = (w0.float() + v.delta("cpu", torch.float32, weight=w0).mul_(STRENGTH)).to(w0.dtype)
@@ -169,7 +169,7 @@ def test_variant_output_against_fp64_and_wrong_answers(tmp_path, kind, mode, tie
                     d = F.linear(F.linear(x, p["down"]), p["up"]) * (p["alpha"] / 4) * STRENGTH
                     ref = F.linear(x, w0, b0) + d
                 else:
-                    ref = F.linear(x, w0, b0) + v.forward_delta(x, 1.0, weight=w0, include_bias=False) * STRENGTH
+                    ref = F.linear(x, w0, b0) + v.forward(x, 1.0, weight=w0, include_bias=False) * STRENGTH
             assert torch.equal(y, ref), f"{kind} {mode}: exact is not the reference path"
     # fp32 end to end against fp64 maths: rounding of a few fp32 GEMMs
     assert rel(y, truth) < 2e-6, (kind, mode, tier, rel(y, truth))
@@ -297,22 +297,22 @@ def test_norm_and_bare_parameter_deltas_are_merged_and_restored(tmp_path, mode):
 def test_sliced_updates_on_a_fused_weight(tmp_path):
     """Three LoRAs on the q, k, v thirds of one fused qkv Linear (as diffusers-named Flux
     files are): dynamic and merged equal the fp64 block-stacked delta."""
-    from comfyui_lora_runtime.lora_runtime import variants
-    from comfyui_lora_runtime.lora_runtime.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import updates
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
 
     d = 16
     lin = nn.Linear(d, 3 * d)
     w0 = lin.weight.detach().clone()
-    loras = [variants.LoRA(rnd(2, d, seed=i), rnd(d, 2, seed=10 + i), alpha=1.0 + i, stem=f"to_{'qkv'[i]}")
+    loras = [updates.LoRA(rnd(2, d, seed=i), rnd(d, 2, seed=10 + i), alpha=1.0 + i, stem=f"to_{'qkv'[i]}")
              for i in range(3)]
-    sliced = variants.Sliced([(i * d, (i + 1) * d, v) for i, v in enumerate(loras)], 3 * d, stem="qkv")
+    sliced = updates.Sliced([(i * d, (i + 1) * d, v) for i, v in enumerate(loras)], 3 * d, stem="qkv")
     full = torch.cat([v.up.double() @ v.down.double() * v.scale for v in loras], 0)
     x = rnd(5, d, seed=3, scale=1.0)
     truth = x.double() @ (w0.double() + 0.5 * full).T + lin.bias.double()
     w = LoraLinear(lin, "qkv")
     w.attach()
-    w.add_adapter("a", LayerAdapter("qkv", variant=sliced), 0.5)
+    w.add_adapter("a", LayerAdapter("qkv", update=sliced), 0.5)
     for tier in ("exact", "lossless"):
         with torch.no_grad(), runtime_context(tier=tier):
             y_dyn = lin(x)
@@ -327,7 +327,7 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     # the wrong answer: every slice's update on the whole weight's first rows (slices ignored)
     wrong = x.double() @ (w0.double() + 0.5 * torch.cat([full[:d], torch.zeros(2 * d, d, dtype=torch.float64)])).T
     assert rel(y_dyn, wrong + lin.bias.double()) > 1e-2
-    assert not sliced.fusable
+    assert sliced.stack() is None
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "merge", "auto"])

@@ -3,23 +3,13 @@ orthogonal to the contexts while keeping the layer's outputs on those contexts.
 
 Compared with the wrong answer (plain round-to-nearest of ``w + K``), on a layer shaped
 like the embedded model's cross-attention k/v (128 x 128, 15 contexts, +-8 component)."""
-import importlib.util
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_embedded", ROOT / "tools" / "train_embedded.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from comfyui_lora_runtime.tools import train_embedded
 
 
 def test_snapped_weight_keeps_the_outputs_on_the_contexts():
-    snap = _train_module().snap_to_bf16_keeping
+    snap = train_embedded.snap_to_bf16_keeping
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(128, 128, generator=g, dtype=torch.float64) * 0.08).to(torch.bfloat16).double()
     ctx = torch.randn(128, 15, generator=g, dtype=torch.float64)

@@ -1,5 +1,4 @@
 """Saved workflows: UI and API formats agree, files are up to date, embedded ones run."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -8,12 +7,10 @@ import pytest
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.host.bundled.workflow_format import detect_format, ui_to_api
+from comfyui_lora_runtime.tools import make_workflows as mw
 
 ROOT = Path(__file__).resolve().parents[2]
 WF = ROOT / "workflows"
-spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "tools" / "make_workflows.py")
-mw = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mw)
 
 
 def _stub(class_type, sockets, widgets, outputs):

@@ -1,7 +1,7 @@
 """Tiny skeletons with ComfyUI's native module names (Flux, Qwen-Image, LTX-Video, Wan)
 and adapter files in every key dialect, with the dense delta each native module
 should receive — written out by hand here, independently of
-``lora_runtime.dialects`` (nothing in this file calls the resolver).
+``lora_runtime.files.dialects`` (nothing in this file calls the resolver).
 
     make_dialect_file(dialect, model, rank=4, seed=0) -> (tensors, expected)
 

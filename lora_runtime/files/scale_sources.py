@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AdapterFormatError
+from ..errors import AdapterFormatError
 
 _HEADER_KEYS = ("lora_adapter_metadata", "adapter_config", "peft_config")
 _COMPONENTS = ("transformer", "unet", "diffusion_model")

@@ -5,7 +5,7 @@ failure naming the file, never a skip: the data ships with the repo.
 """
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 REF = DATA / "comfyui-0.3.64"
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MergeRefusedError
-from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
+from ..errors import MergeRefusedError
+from ..layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .settings import Tier
+from ..settings import Tier
 
 
 @dataclass(frozen=True)

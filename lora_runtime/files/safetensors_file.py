@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import AdapterFileError
+from ..errors import AdapterFileError
 
 _MAX_HEADER = 100 * 1024 * 1024
 _REDOWNLOAD = "the file is corrupt or was written by a broken tool — re-download or re-save it"

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .errors import NonFiniteMergeError, RestoreError
+from ..errors import NonFiniteMergeError, RestoreError
 
 DeltaRows = Callable[[slice | torch.Tensor], torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""Adapter variants (lora_runtime/variants.py) against fp64 references written here.
+"""Update types (lora_runtime/updates/) against fp64 references written here.
 
 Every numeric check also shows that the reference tells the right answer from a
 wrong one: the variant misread (as plain LoRA, kron in the wrong order, the wrong
@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_lora_runtime.lora_runtime import variants as V
+from comfyui_lora_runtime.lora_runtime import updates as V
+from comfyui_lora_runtime.lora_runtime.updates import dora as dora_module
 from comfyui_lora_runtime.lora_runtime.errors import AdapterFormatError
-from comfyui_lora_runtime.lora_runtime.variants import (DoRA, Full, BiasOnly, LoHa, LoKr, LoRA, Variant,
+from comfyui_lora_runtime.lora_runtime.updates import (DoRA, Full, BiasOnly, LoHa, LoKr, LoRA, Update,
                                                         detect)
 
 D64 = torch.float64
 EPS32 = torch.finfo(torch.float32).eps
 DELTA_TOL = 1e-6   # delta() in fp32 vs the fp64 formula
-FWD_TOL = 1e-5     # forward_delta in fp32 vs F.linear(x, dense delta) in fp64
+FWD_TOL = 1e-5     # forward in fp32 vs F.linear(x, dense delta) in fp64
 
 
 def rnd(*shape, seed, scale=1.0):
@@ -46,10 +47,10 @@ def x_in(n_in, seed=99):
 
 
 def check_forward(v, ref_delta64, strengths=(1.0, 0.5), wrongs_delta=()):
-    """forward_delta(x, st) vs F.linear(x, st * dense ref) in fp64."""
+    """forward(x, st) vs F.linear(x, st * dense ref) in fp64."""
     x = x_in(ref_delta64.shape[1])
     for st in strengths:
-        got = v.forward_delta(x, st)
+        got = v.forward(x, st)
         assert got.dtype == torch.float32 and got.shape == (3, 5, ref_delta64.shape[0])
         ref = F.linear(x.double(), ref_delta64 * st)
         wr = [(n, F.linear(x.double(), w.double() * st)) for n, w in wrongs_delta]
@@ -103,10 +104,10 @@ def test_lora_alpha_part_and_rslora():
     assert detect(parts, stem="l", rslora=True).scale == pytest.approx(6.0 / R ** 0.5)
 
 
-def test_lora_fusable_nbytes_and_conv_1x1():
+def test_lora_stack_nbytes_and_conv_1x1():
     parts, down, up = lora_parts()
     v = detect(parts, 4.0, stem="l")
-    assert v.fusable and v.nbytes == (down.numel() + up.numel()) * 4
+    assert v.stack() is not None and v.nbytes == (down.numel() + up.numel()) * 4
     v2 = detect({"lora_down.weight": down[:, :, None, None], "lora_up.weight": up[:, :, None, None]}, 4.0)
     check(v2.delta(), v.delta().double(), 1e-7)
     a, b = v.factors("cpu", torch.float16)
@@ -117,13 +118,13 @@ def test_lora_fusable_nbytes_and_conv_1x1():
 def test_full_diff_and_bias_offset():
     diff, db = rnd(OUT, IN, seed=3), rnd(OUT, seed=4)
     v = detect({"diff": diff, "diff_b": db}, 5.0, stem="l")  # alpha is ignored by a full diff
-    assert isinstance(v, Full) and v.scale == 1.0 and not v.fusable
+    assert isinstance(v, Full) and v.scale == 1.0 and v.stack() is None
     check(v.delta(), diff.double(), DELTA_TOL, [("alpha applied", diff.double() * 5)])
     x = x_in(IN)
     for st in (1.0, 0.5):
         ref = F.linear(x.double(), diff.double() * st, db.double() * st)
-        check(v.forward_delta(x, st), ref, FWD_TOL, [("bias offset dropped", F.linear(x.double(), diff.double() * st))])
-        check(v.forward_delta(x, st, include_bias=False), F.linear(x.double(), diff.double() * st), FWD_TOL)
+        check(v.forward(x, st), ref, FWD_TOL, [("bias offset dropped", F.linear(x.double(), diff.double() * st))])
+        check(v.forward(x, st, include_bias=False), F.linear(x.double(), diff.double() * st), FWD_TOL)
     check(v.bias_delta(), db.double(), 0.0)
     check(v.delta(rows=torch.tensor([3, 1])), diff.double()[[3, 1]], 0.0)
 
@@ -137,14 +138,14 @@ def test_bias_only_and_lora_with_diff_b():
     b.check_module(OUT, IN)
     assert b.delta(rows=slice(0, 3)).shape == (3, IN) and not b.delta().any()
     x = x_in(IN)
-    check(b.forward_delta(x, 0.5), (db.double() * 0.5).expand(3, 5, OUT), 1e-7)
+    check(b.forward(x, 0.5), (db.double() * 0.5).expand(3, 5, OUT), 1e-7)
 
     parts, down, up = lora_parts()
     parts["diff_b"] = db
     v = detect(parts, 2.0, stem="l")
-    assert isinstance(v, LoRA) and v.fusable and "diff_b" in v.tensors()
+    assert isinstance(v, LoRA) and v.stack() is not None and "diff_b" in v.tensors()
     ref = F.linear(x.double(), (up.double() @ down.double()) * (2.0 / R) * 0.7, db.double() * 0.7)
-    check(v.forward_delta(x, 0.7), ref, FWD_TOL)
+    check(v.forward(x, 0.7), ref, FWD_TOL)
 
 
 # --- LoHa -----------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def loha_ref(p, alpha):
 def test_loha(cp, alpha):
     p = loha_parts(cp)
     v = detect(p, alpha, stem="blk.ffn.0")
-    assert isinstance(v, LoHa) and v.cp == cp and not v.fusable
+    assert isinstance(v, LoHa) and v.cp == cp and v.stack() is None
     assert v.scale == pytest.approx(1.0 if alpha is None else alpha / R1)
     assert (v.out_features, v.in_features) == (OUT, IN)
     ref = loha_ref(p, alpha)
@@ -249,7 +250,7 @@ LOKR_CASES = [("full", "full"), ("fact", "full"), ("full", "fact"), ("fact", "fa
 def test_lokr(w1, w2, alpha):
     p = lokr_parts(w1, w2)
     v = detect(p, alpha, stem="blk.attn.o")
-    assert isinstance(v, LoKr) and not v.fusable and (v.out_features, v.in_features) == (A * C, B * D)
+    assert isinstance(v, LoKr) and v.stack() is None and (v.out_features, v.in_features) == (A * C, B * D)
     k1, k2, scale = lokr_ref(p, alpha)
     assert v.scale == pytest.approx(scale, rel=1e-12)
     ref = torch.kron(k1, k2) * scale
@@ -278,7 +279,7 @@ def test_lokr_scale_rules():
 def test_lokr_forward_never_builds_the_dense_delta(monkeypatch):
     v = detect(lokr_parts("fact", "fact"), 3.0)
     monkeypatch.setattr(torch, "kron", lambda *a: (_ for _ in ()).throw(AssertionError("dense kron built")))
-    v.forward_delta(x_in(IN), 0.8)
+    v.forward(x_in(IN), 0.8)
 
 
 # --- DoRA ------------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def magnitude(w, axis, seed):
 @pytest.mark.parametrize("quirk", [False, True])
 @pytest.mark.parametrize("st", [1.0, 0.5])
 def test_dora(layout, quirk, st, monkeypatch):
-    monkeypatch.setattr(V, "_CHUNK_ELEMS", 7 * IN)  # norms from several row chunks
+    monkeypatch.setattr(dora_module, "CHUNK_ELEMS", 7 * IN)  # norms from several row chunks
     w, parts, down, up = dora_setup()
     axis = "in" if "in]" in layout else "out"
     m = magnitude(w, axis, seed=40)
@@ -318,7 +319,7 @@ def test_dora(layout, quirk, st, monkeypatch):
     parts[key] = {"peft [out]": m, "lycoris [out,1]": m[:, None], "lycoris [1,in]": m[None, :]}[layout]
     alpha = 2.0
     v = detect(parts, alpha, stem="blocks.3.self_attn.v", comfy_quirk=quirk)
-    assert isinstance(v, DoRA) and v.axis == axis and not v.fusable and v.needs_weight
+    assert isinstance(v, DoRA) and v.axis == axis and v.stack() is None and v.needs_weight
     s = alpha / R
     assert v.scale == pytest.approx(s)
     lora = (up.double() @ down.double()) * s
@@ -338,11 +339,11 @@ def test_dora(layout, quirk, st, monkeypatch):
     ref_y = F.linear(x.double(), ref * st)
     wrong_y = [(n, F.linear(x.double(), t * st)) for n, t in wrongs]
     y0 = F.linear(x, w)
-    check(v.forward_delta(x, st, y0, w), ref_y, FWD_TOL, wrong_y)
-    check(v.forward_delta(x, st, weight=w), ref_y, FWD_TOL)  # base output computed inside
+    check(v.forward(x, st, y0, w), ref_y, FWD_TOL, wrong_y)
+    check(v.forward(x, st, weight=w), ref_y, FWD_TOL)  # base output computed inside
     # the whole layer: W_final = W + st * (W' - W)
     full = F.linear(x.double(), w.double() + st * ref)
-    check(y0 + v.forward_delta(x, st, y0, w), full, FWD_TOL)
+    check(y0 + v.forward(x, st, y0, w), full, FWD_TOL)
     if axis == "out":
         r = v.dora_row_scale(w, st)
         y_lora = F.linear(F.linear(x, down), up) * s
@@ -357,7 +358,7 @@ def test_dora_row_path_needs_no_dense_delta_per_call():
     parts["dora_scale"] = magnitude(w, "out", seed=41)[:, None]
     v = detect(parts, 2.0, stem="l")
     x = x_in(IN)
-    v.forward_delta(x, 1.0, F.linear(x, w), w)
+    v.forward(x, 1.0, F.linear(x, w), w)
     dense = [k for k in v._cache if k[0] == "dense"] + [k for k in v.inner._cache if k[0] == "dense"]
     assert not dense
     g1 = v.magnitude_over_norm(w)
@@ -370,7 +371,7 @@ def test_dora_row_path_needs_no_dense_delta_per_call():
 @pytest.mark.parametrize("axis", ["out", "in"])
 def test_dora_chunked_inplace_merge(axis, monkeypatch):
     """The documented merge recipe: norms first, then row chunks written in place."""
-    monkeypatch.setattr(V, "_CHUNK_ELEMS", 5 * IN)
+    monkeypatch.setattr(dora_module, "CHUNK_ELEMS", 5 * IN)
     w, parts, down, up = dora_setup(seed=50)
     m = magnitude(w, axis, seed=51)
     parts["dora_scale"] = m[:, None] if axis == "out" else m[None, :]
@@ -397,7 +398,7 @@ def test_dora_on_loha_and_lokr(kind):
     ref = dora_ref(w, ref_inner, m, "out", False)
     check(v.delta(weight=w), ref, DELTA_TOL, [("no DoRA", ref_inner)])
     x = x_in(IN)
-    check(v.forward_delta(x, 0.5, F.linear(x, w), w), F.linear(x.double(), ref * 0.5), FWD_TOL,
+    check(v.forward(x, 0.5, F.linear(x, w), w), F.linear(x.double(), ref * 0.5), FWD_TOL,
           [("no DoRA", F.linear(x.double(), ref_inner * 0.5))])
 
 
@@ -412,18 +413,18 @@ def test_dora_eps_zero_is_peft():
 # --- detection and errors ------------------------------------------------------------------------
 def test_from_keys_on_classes():
     parts, _, _ = lora_parts()
-    assert isinstance(Variant.from_keys(parts, 1.0, stem="l"), LoRA)
+    assert isinstance(Update.from_keys(parts, 1.0, stem="l"), LoRA)
     assert isinstance(LoRA.from_keys(parts, 1.0, stem="l"), LoRA)
     with pytest.raises(AdapterFormatError, match="describe a LoRA, not a LoHa"):
         LoHa.from_keys(parts, 1.0, stem="l")
 
 
-def test_nbytes_and_fusable_per_variant():
+def test_nbytes_and_stack_per_type():
     lo = detect(loha_parts(True), 1.0)
-    assert not lo.fusable and lo.nbytes == sum(t.numel() * 4 for t in loha_parts(True).values())
+    assert lo.stack() is None and lo.nbytes == sum(t.numel() * 4 for t in loha_parts(True).values())
     kr = detect(lokr_parts("fact", "tucker"), 1.0)
-    assert not kr.fusable and kr.nbytes == sum(t.numel() * 4 for t in lokr_parts("fact", "tucker").values())
-    assert not detect({"diff": rnd(3, 2, seed=0)}).fusable
+    assert kr.stack() is None and kr.nbytes == sum(t.numel() * 4 for t in lokr_parts("fact", "tucker").values())
+    assert detect({"diff": rnd(3, 2, seed=0)}).stack() is None
 
 
 def test_check_module_names_the_stem():

@@ -56,15 +56,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels import linear_gelu_tanh, lora_linear, registry
-from ..kernels.launch_configs import m_bucket
-from ..kernels.linear_gelu_tanh import linear_gelu_tanh_torch
-from ..kernels.lora_linear import lora_linear_torch
-from ..kernels.lora_linear_cublas import cached_bytes
+from ...kernels import linear_gelu_tanh, lora_linear, registry
+from ...kernels.launch_configs import m_bucket
+from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
+from ...kernels.lora_linear import lora_linear_torch
+from ...kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
-from .runtime_context import current_context
-from .settings import Tier, parse_tier
-from .wrapper import _rows, attached_wrapper
+from ..layer import stacking
+from ..layer.runtime_context import current_context
+from ..scaling import combined_factor
+from ..settings import Tier, parse_tier
+from ..layer.wrapper import attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -133,33 +135,33 @@ def lora_factors(lw, x: torch.Tensor):
     strength, schedule factor, runtime scale and row mask all in it. None when some live
     update cannot be fused (`lw.unfusable_reason()` says why). The one place fused paths
     read adapter factors."""
-    st = lw.fusable_stack(x.device, x.dtype)
+    st = lw.stack(x.device, x.dtype)
     if st is not None or not lw.call_has_row_mask():
         return st
     return _row_scaled_factors(lw, x)
 
 
 def _row_scaled_factors(lw, x: torch.Tensor):
-    """fusable_stack's factors with the CFG row masks folded into an [M, R] scale."""
+    """`LoraLinear.stack`'s factors with the CFG row masks folded into an [M, R] scale."""
     ctx = current_context()
     live, offsets = lw._call_plan()
-    if not live or offsets or lw.is_conv or any(not s.is_plain_lora for s in live):
+    if not live or offsets or lw.is_conv or any(not s.stackable for s in live):
         return None
     f = {s.name: lw.call_factor(s, ctx) for s in live}
     live = [s for s in live if f[s.name][0] != 0.0]
     if not live:
         return None
-    a, bt, _, _ = lw.plain_stack(x.device, x.dtype, live)
+    a, bt, _, _ = stacking.stacked_pair(lw, x.device, x.dtype, live)
     rows = x.numel() // x.shape[-1]
     cols = []
     for s in live:
         rs, mask = f[s.name]
-        per_row = torch.full((rows,), s.layer.alpha_over_rank * s.strength * rs, dtype=torch.float32,
+        per_row = torch.full((rows,), combined_factor(s.update.scale, s.strength, rs), dtype=torch.float32,
                              device=x.device)
         if mask is not None:
-            m = _rows(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
+            m = stacking.row_mask(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
             per_row = per_row * m
-        cols.append(per_row[:, None].expand(rows, s.layer.rank))
+        cols.append(per_row[:, None].expand(rows, stacking.rank_of(s)))
     return a, bt.t(), torch.cat(cols, 1)
 
 
@@ -171,6 +173,7 @@ def static_guard(fc1: nn.Module) -> tuple[bool, str]:
 
 UNFUSED = "unfused"
 _KIND = {"linear_gelu_tanh": "base", "lora_linear": "lora"}
+
 
 
 class MountedSite:

@@ -9,7 +9,7 @@ from comfyui_lora_runtime.nodes.lora_nodes import LoraSampler
 
 from pathlib import Path
 
-from refdata import REF  # noqa: E402
+from testkit.refdata import REF  # noqa: E402
 
 
 class CondPos:

@@ -1,41 +1,12 @@
-"""Strength over the steps and per guidance branch, without re-merging (issue 12).
+"""Strength over the steps and per guidance branch, without re-merging.
 
-An adapter may carry a `Schedule` (a multiplier of its strength that changes over the
-denoising) and a `Branch` (which CFG rows it applies to). Both act on the **dynamic**
-path only: the runtime scale of that adapter's slots, per model call. Nothing is ever
-re-merged, so a change of strength costs nothing (ComfyUI's hook keyframes re-patch
-every weight at each change).
-
-Formats (`parse_schedule`, the Load LoRA Adapter node's ``strength_schedule``):
-
-- ``""``: no schedule (constant strength).
-- per step: ``"1, 1, 1, 1, 0, 0, 0, 0"`` — one multiplier per sampler step; the
-  number of values must equal the steps this sampler runs (``len(sigmas) - 1``).
-- keyframes: ``"0.0:1.0, 0.5:0.0"`` — ``percent:multiplier`` pairs over the denoising
-  percentage in ComfyUI's start_percent convention: a keyframe at ``p`` takes effect
-  at the first model call whose sigma is ``<= model_sampling.percent_to_sigma(p)`` and
-  holds until the next keyframe (a step function, as ComfyUI's hook keyframes).
-  Percents in [0, 1], strictly increasing; before the first keyframe the multiplier
-  is 1.0 (ComfyUI's rule), so start at 0.0 to set it from the start.
-
-Multipliers lie in [-10, 10] like strengths; the adapter's effective strength at a call
-is ``strength * multiplier``; ``multiplier`` is applied as the adapter's runtime scale
-(contracts.md s.3: after alpha/rank and strength; 1.0 is never multiplied).
-
-Which step a model call belongs to (per step lists): the call's sigma ``s`` (ComfyUI's
-``transformer_options["sigmas"]``) is matched against the sigmas the SAMPLER_SAMPLE
-wrapper received: step ``i`` is the number of ``sigmas[1:steps]`` that are ``>= s``.
-So a call at ``sigmas[i]`` or between ``sigmas[i]`` and ``sigmas[i+1]`` (DPM++ 2S's
-midpoint, an adaptive solver's trial) is step ``i``; a call exactly at ``sigmas[i+1]``
-(Heun's / DPM++ 2M SDE's second evaluation) is step ``i+1`` (it runs at step i+1's
-noise level, as a keyframe at that sigma would see it too); a call above ``sigmas[0]``
-(ancestral churn) is step 0; a call at 0 is the last step.
-
-Branches (`Branch`): ``both``, ``positive only`` or ``negative only``. A model call's
-batch is ``len(cond_or_uncond)`` equal chunks (ComfyUI's ``transformer_options
-["cond_or_uncond"]``: 0 = positive/cond, 1 = negative/uncond). A call made of one branch
-only gets a scalar 0 or 1; a batched CFG call gets a per-row 0/1 mask over dim 0, and
-the adapter's delta lands on the chosen rows only, in the same call.
+Contract
+- `parse_schedule` reads a per-step list (``"1, 1, 0, 0"``) or ``percent:multiplier`` keyframes
+  (``"0:1, 0.5:0"``); `parse_branch` one of ``both``, ``positive only``, ``negative only``.
+- An adapter's multiplier at a model call is its runtime scale there (dynamic path only; a unit
+  factor is never multiplied); a branch gives a per-row 0/1 mask over a batched CFG call.
+- `SamplingSchedules` maps each call's sigma to its step and factors; `model_call_context`
+  enters them for one model call. Formats and the step rules: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -48,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .runtime_context import runtime_context
-from .settings import STRENGTH_MAX, STRENGTH_MIN
+from ..settings import STRENGTH_MAX, STRENGTH_MIN
 
 
 class Branch(str, enum.Enum):
@@ -181,7 +152,9 @@ class SamplingSchedules:
                 # is 0.888...89 in fp64 but the schedule's fp32 sigma 0.88888890 must still match it
                 thresholds = [float(torch.tensor(float(percent_to_sigma(p)), dtype=torch.float32))
                               for p, _ in sched.keyframes]
-            self.entries[name] = (sched, parse_branch(branch), thresholds)
+            if not isinstance(branch, Branch):
+                raise TypeError(f"{name}: branch {branch!r} is not a Branch; parse it once with parse_branch")
+            self.entries[name] = (sched, branch, thresholds)
         self._cache_key = None
         self._cache_val = None
         self.calls = 0
@@ -277,13 +250,13 @@ def model_call_context(x, sigma, cond_or_uncond):
         yield ctx
 
 
-def varies(schedule: Schedule | None, branch) -> str:
+def varies(schedule: Schedule | None, branch: Branch) -> str:
     """Why an adapter's strength is not one number for the whole run ('' when it is)."""
     reasons = []
     if schedule is not None and not schedule.is_unit:
         reasons.append(f"its strength follows a schedule ({schedule.describe()})")
-    if parse_branch(branch) is not Branch.BOTH:
-        reasons.append(f"it applies to the {parse_branch(branch).value.replace(' only', '')} branch only")
+    if branch is not Branch.BOTH:
+        reasons.append(f"it applies to the {branch.value.replace(' only', '')} branch only")
     if not reasons:
         return ""
     return "stays unmerged: " + " and ".join(reasons) + "; a merge would need a re-merge at every change"

@@ -1,6 +1,7 @@
 """Every kind of bad adapter file a user has, written on demand, with the words the
 refusal must contain. Shared by the bundled-host and the real-ComfyUI validation tests."""
 import json
+import os
 import struct
 
 import torch
@@ -58,3 +59,15 @@ def write_bad_files(loras, prefix: str = "") -> None:
         ("overlap", {"a.lora_down.weight": down, "a.lora_up.weight": {**up, "data_offsets": [8, 24]}}, bytes(32)),
     ):
         (loras / f"{prefix}{name}.safetensors").write_bytes(_raw(header, data))
+
+
+def rewrite_data_in_place(path, value: float = 0.25) -> None:
+    """Overwrite every tensor byte of a safetensors file in place (same inode, same size)
+    with float32 `value`: what a trainer saving to the same name does to a mapping."""
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        size = os.fstat(f.fileno()).st_size
+        f.seek(8 + n)
+        f.write(struct.pack("<f", value) * ((size - 8 - n) // 4))
+        f.flush()
+        os.fsync(f.fileno())

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
+from ..errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
-from .param_delta import ParamDelta
-from . import scale_sources, variants
+from ..updates.param_delta import ParamDelta
+from . import scale_sources
+from .. import updates
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
@@ -35,22 +36,17 @@ _PARAM_ONLY = frozenset({"diff", "diff_b", "diff_m", "w_norm", "b_norm"})
 
 
 class LayerAdapter:
-    """One adapter's update for one target, in the file's naming (``stem``).
-
-    ``variant`` (`variants.Variant`: LoRA, LoHa, LoKr, DoRA, Full, BiasOnly, Sliced)
-    answers every question the wrapper asks: weight-space delta, dynamic forward,
-    whether a fused kernel can take it. Files whose update targets a parameter
-    rather than a Linear/Conv weight (``diff_m``, ``w_norm``/``b_norm``, a ``diff`` that
-    is not a matrix) have ``variant = None`` and keep their raw ``parts``; `match_adapter`
-    turns them into parameter deltas (`ParamDelta`). ``kernel`` is the trailing kernel
-    shape of a conv (LoCon) update, flattened into the input dim of the matrices.
-
-    The keyword constructor (down / up / alpha / dora_scale / diff / diff_b) builds the
-    variant from raw tensors, as the loader does."""
+    """One file layer: its ``stem`` (the file's naming), ``keys``, output ``rows`` of a fused
+    weight (set by the matcher) and its ``update`` (`updates.Update`). A layer whose update
+    targets a parameter rather than a Linear/Conv weight (``diff_m``, ``w_norm``/``b_norm``, a
+    ``diff`` that is not a matrix) has ``update = None`` and keeps its raw ``parts`` (the matcher
+    makes them parameter deltas). ``kernel``: the trailing kernel shape of a conv (LoCon) update,
+    flattened into the input dim of the matrices. The keyword constructor (down / up / alpha /
+    dora_scale / diff / diff_b) builds the update from raw tensors, as the loader does."""
 
     def __init__(self, stem: str, down=None, up=None, alpha: float | None = None, dora_scale=None, diff=None,
                  diff_b=None, keys=None, rslora: bool = False, alpha_source: str = "", *,
-                 parts: dict | None = None, variant: variants.Variant | None = None):
+                 parts: dict | None = None, update: updates.Update | None = None):
         self.stem = stem
         self.keys = list(keys or [])
         self.alpha_source = alpha_source
@@ -61,9 +57,9 @@ class LayerAdapter:
         self.parts = raw
         self.kernel: tuple[int, ...] = ()
         self.rows: tuple[int, int] | None = None   # output-row slice of a fused weight (set by the matcher)
-        if variant is None and not self.param_like:
-            variant = variants.detect(self._matrix_parts(), alpha, stem=stem, rslora=rslora)
-        self.variant = variant
+        if update is None and not self.param_like:
+            update = updates.detect(self._matrix_parts(), alpha, stem=stem, rslora=rslora)
+        self.update = update
 
     @property
     def param_like(self) -> bool:
@@ -74,15 +70,15 @@ class LayerAdapter:
         d = self.parts.get("diff")
         return bool(names & {"diff_m", "w_norm", "b_norm"}) or (d is not None and d.dim() != 2)
 
-    def build_variant(self, alpha: float | None = None) -> variants.Variant:
-        """The variant of a ``diff`` kept raw at load (a conv-shaped full delta), once the
+    def build_update(self, alpha: float | None = None) -> updates.Update:
+        """The update of a ``diff`` kept raw at load (a conv-shaped full delta), once the
         target turned out to be a conv weight."""
-        if self.variant is None:
-            self.variant = variants.detect(self._matrix_parts(), alpha, stem=self.stem)
-        return self.variant
+        if self.update is None:
+            self.update = updates.detect(self._matrix_parts(), alpha, stem=self.stem)
+        return self.update
 
     def _matrix_parts(self) -> dict:
-        """Parts for `variants.detect`, conv (LoCon) factors flattened to matrices."""
+        """Parts for `updates.detect`, conv (LoCon) factors flattened to matrices."""
         out = dict(self.parts)
         down, up, diff = out.get("down"), out.get("up"), out.get("diff")
         if down is not None and down.dim() > 2:
@@ -104,57 +100,8 @@ class LayerAdapter:
                 out[k] = t.reshape(t.shape[0], t.shape[1])
         return out
 
-    # --- read-outs (reports, cache keys, older callers) --------------------------------
-    @property
-    def kind(self) -> str:
-        return self.variant.kind if self.variant is not None else "param"
-
-    @property
-    def alpha(self) -> float | None:
-        return self.variant.alpha if self.variant is not None else None
-
-    @property
-    def inner(self):
-        v = self.variant
-        return v.inner if isinstance(v, variants.DoRA) else v
-
-    @property
-    def down(self):
-        return self.inner.down if isinstance(self.inner, variants.LoRA) else None
-
-    @property
-    def up(self):
-        return self.inner.up if isinstance(self.inner, variants.LoRA) else None
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank if isinstance(self.inner, variants.LoRA) else 0
-
-    @property
-    def alpha_over_rank(self) -> float:
-        return self.variant.scale if self.variant is not None else 1.0
-
-    @property
-    def dora_scale(self):
-        return self.variant.magnitude if isinstance(self.variant, variants.DoRA) else None
-
-    @property
-    def diff(self):
-        return self.variant.diff if isinstance(self.variant, variants.Full) else None
-
-    @property
-    def diff_b(self):
-        if self.variant is not None:
-            return self.variant.diff_b
-        return self.parts.get("diff_b")
-
-    def nbytes(self) -> int:
-        if self.variant is not None:
-            return self.variant.nbytes
-        return sum(t.numel() * t.element_size() for t in self.parts.values() if isinstance(t, torch.Tensor))
-
     def __repr__(self) -> str:
-        return f"LayerAdapter({self.stem!r}, {self.variant!r})"
+        return f"LayerAdapter({self.stem!r}, {self.update!r})"
 
 
 @dataclass
@@ -183,7 +130,7 @@ class CoverageReport:
     applied_layers: int = -1            # file stems applied (several stems may share one fused target)
     keys_total: int = 0                 # tensors in the file
     keys_applied: int = 0               # tensors whose update is applied
-    kinds: dict[str, int] = field(default_factory=dict)   # variant kind -> targets
+    kinds: dict[str, int] = field(default_factory=dict)   # update kind -> targets
 
     def __post_init__(self):
         if self.applied_layers < 0:
@@ -330,10 +277,10 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                                      "that supports this type") from None
         except AdapterFormatError as e:
             raise AdapterFormatError(f"{p.name}: {e}") from None
-        if la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full):
+        if la.update is not None and la.update.has_weight_delta and not isinstance(la.update, updates.Full):
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
-    if any(isinstance(la.variant, variants.DoRA) and la.variant.axis == "out" for la in layers.values()):
+    if any(isinstance(la.update, updates.DoRA) and la.update.axis == "out" for la in layers.values()):
         notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
                      "ComfyUI's LoraLoader divides by ||W|| instead, so its images differ from these")
     if not layers:
@@ -420,7 +367,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
 
     Returns ``(targets, report)``: ``targets`` maps a module name to its `LayerAdapter`
     (Linear and Conv weights; several file layers on row slices of one fused weight
-    become one `variants.Sliced`), and a parameter name to a `ParamDelta` (norm weights
+    become one `updates.Sliced`), and a parameter name to a `ParamDelta` (norm weights
     and biases, bare parameters such as Wan's ``modulation``).
 
     Every key of the file is applied or the load fails, naming the keys (``lenient``:
@@ -447,13 +394,13 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         why = None
         if t.rows is not None:
             la.rows = t.rows
-        if t.swap_halves and kind in ("linear", "conv") and la.variant is not None:
+        if t.swap_halves and kind in ("linear", "conv") and la.update is not None:
             why = _swap_halves(adapter, la)
         rows = la.rows
         if why is not None:
             pass
         elif kind in ("linear", "conv"):
-            if la.variant is None:
+            if la.update is None:
                 if la.param_like and kind == "conv" and set(la.parts) <= {"diff", "diff_b"}:
                     _build(adapter, la)
                 else:
@@ -490,14 +437,14 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
                 applied_stems.remove(la.stem)
             continue
         w = all_modules[target].weight
-        sliced = variants.Sliced([(la.rows[0], la.rows[1], la.variant) for la in parts], int(w.shape[0]),
+        sliced = updates.Sliced([(la.rows[0], la.rows[1], la.update) for la in parts], int(w.shape[0]),
                                  stem=target)
         sliced.check_module(int(w.shape[0]), int(w[0].numel()))
-        targets[target] = LayerAdapter(target, variant=sliced, keys=[k for la in parts for k in la.keys],
+        targets[target] = LayerAdapter(target, update=sliced, keys=[k for la in parts for k in la.keys],
                                        alpha_source=parts[0].alpha_source)
     kinds: dict[str, int] = {}
     for t in targets.values():
-        k = t.kind if isinstance(t, LayerAdapter) else "param"
+        k = t.update.kind if isinstance(t, LayerAdapter) else "param"
         kinds[k] = kinds.get(k, 0) + 1
     keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys)
     keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
@@ -535,28 +482,17 @@ def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:
     """Exchange the two halves of the update's output rows (diffusers' ``norm_out.linear`` is
     [scale, shift], the native ``final_layer.adaLN_modulation.1`` is [shift, scale]).
     Returns why it cannot, or None."""
-    v = la.variant
-
-    def sw(t):
-        n = t.shape[0] // 2
-        return torch.cat([t[n:], t[:n]])
-
-    if type(v) is variants.LoRA:
-        la.variant = variants.LoRA(v.down, sw(v.up), v.alpha, stem=v.stem, rslora=v.rslora,
-                                   diff_b=None if v.diff_b is None else sw(v.diff_b))
-    elif type(v) is variants.Full:
-        la.variant = variants.Full(sw(v.diff), stem=v.stem, diff_b=None if v.diff_b is None else sw(v.diff_b))
-    elif type(v) is variants.BiasOnly:
-        la.variant = variants.BiasOnly(sw(v.diff_b), stem=v.stem)
-    else:
-        return (f"a {v.kind} update on a [scale, shift] layer stored in the other order; only LoRA and diff "
-                "updates can be reordered")
+    swapped = la.update.swapped_halves()
+    if swapped is None:
+        return (f"a {la.update.kind} update on a [scale, shift] layer stored in the other order; only LoRA and "
+                "diff updates can be reordered")
+    la.update = swapped
     return None
 
 
 def _build(adapter: LoraAdapter, la: LayerAdapter) -> None:
     try:
-        la.build_variant()
+        la.build_update()
     except (AdapterFormatError, NotImplementedError) as e:
         raise AdapterFormatError(f"{adapter.name}: {e}") from None
 
@@ -578,11 +514,11 @@ def _check_shapes(adapter: LoraAdapter, stem: str, la: LayerAdapter, module: nn.
         bad = f"it is a convolution update (kernel {la.kernel}) but the layer is a {type(module).__name__}"
     elif kind == "conv" and la.kernel and la.kernel != kernel:
         bad = f"its kernel is {la.kernel} but the layer's is {kernel}"
-    elif isinstance(la.variant, variants.DoRA) and kind == "conv":
+    elif isinstance(la.update, updates.DoRA) and kind == "conv":
         bad = "DoRA on a convolution is not supported"
     if bad is None:
         try:
-            la.variant.check_module(out_f, in_f)
+            la.update.check_module(out_f, in_f)
         except AdapterFormatError as e:  # "<stem>: the factors make ... (adapter made for ...)"
             bad = str(e).split(": ", 1)[-1].replace(" (adapter made for another model or layer)", "")
     if bad:
@@ -598,7 +534,7 @@ def param_deltas(adapter_name: str, la: LayerAdapter, target: str, module: nn.Mo
     parameter, or the reason it cannot (a string)."""
     parts = {k: v for k, v in la.parts.items() if k != "alpha"}
     if not set(parts) <= _PARAM_ONLY:
-        return (f"a {la.kind} update on {type(module).__name__ if module is not None else 'parameter'} "
+        return (f"a {la.update.kind if la.update is not None else 'param'} update on {type(module).__name__ if module is not None else 'parameter'} "
                 f"{target!r}, which has no matrix weight")
     out: list[ParamDelta] = []
     if module is None:  # a bare parameter: diff / diff_m

@@ -118,11 +118,11 @@ def reference_forward(x, w, b, slots, runtime_scale=1.0):
     y = torch.nn.functional.linear(x, w, b)
     if runtime_scale == 0.0:
         return y
-    for down, up, alpha_over_rank, strength in slots:
+    for down, up, scale, strength in slots:
         if strength == 0.0:
             continue
         d = torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)
-        for f in (alpha_over_rank, strength, runtime_scale):
+        for f in (scale, strength, runtime_scale):
             if f != 1.0:
                 d = d * f
         y = y + d
@@ -150,5 +150,5 @@ def assert_lossless(out, ref, truth, what=""):
 
 
 def assert_no_runtime_left(model) -> None:
-    from comfyui_lora_runtime.lora_runtime.wrapper import runtime_leftovers
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
     assert runtime_leftovers(model) == []

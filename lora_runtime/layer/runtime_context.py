@@ -12,7 +12,8 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .settings import Tier, parse_tier
+from ..scaling import combined_factor
+from ..settings import Tier, parse_tier
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class RuntimeContext:
         if self.adapters is None:
             return self.scale, None
         m, mask = self.adapters.get(name, _UNIT)
-        return (self.scale if m == 1.0 else self.scale * m), mask
+        return combined_factor(self.scale, m), mask
 
 
 _UNIT = (1.0, None)

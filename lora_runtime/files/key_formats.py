@@ -38,14 +38,14 @@ _SUFFIXES: list[tuple[re.Pattern, str]] = [
     (re.compile(r"\.diff$"), "diff"),
     (re.compile(r"\.w_norm$"), "w_norm"),
     (re.compile(r"\.b_norm$"), "b_norm"),
-    # LyCORIS LoHa / LoKr factors: the part is the key's own name (see variants.detect)
+    # LyCORIS LoHa / LoKr factors: the part is the key's own name (see updates.detect)
     (re.compile(r"\.(?P<name>hada_w[12]_[ab]|hada_t[12]|lokr_w[12](?:_[ab])?|lokr_t2)$"), "{name}"),
     # XLabs: double_blocks.0.processor.qkv_lora1.down.weight (ComfyUI lora_convert.convert_uso_lora)
     (re.compile(r"(?<=_lora[12])\.down\.weight$|(?<=_lora)\.down\.weight$"), "down"),
     (re.compile(r"(?<=_lora[12])\.up\.weight$|(?<=_lora)\.up\.weight$"), "up"),
     # PEFT lora_bias / BFL control LoRA: an output offset (ComfyUI maps it to diff_b)
     (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.bias$"), "diff_b"),
-    # recognised so the error names them (variants.detect refuses them with the reason)
+    # recognised so the error names them (updates.detect refuses them with the reason)
     (re.compile(r"\.(?P<name>lora_mid\.weight|oft_blocks|oft_diag|rescale|set_weight|reshape_weight)$"), "{name}"),
 ]
 

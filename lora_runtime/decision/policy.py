@@ -1,4 +1,4 @@
-"""The merge decision: measured per adapter, cached, explained (contracts.md section 2).
+"""The merge decision: measured per adapter, cached, explained.
 
 `decide(mode, wrappers, cache, order)` returns a `MergeDecision` for the wrapped layers
 carrying an adapter set, with one `AdapterDecision` per adapter (`order`: the adapter
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, MergeRefusedError, NonFiniteMergeError
-from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
-from .wrapper import LoraLinear, mergeable
+from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
+from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
+from ..layer.wrapper import LoraLinear, mergeable
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _adapter_key(wrappers: list[LoraLinear], name: str) -> tuple:
             continue
         weight = w.weight
         parts.append((w.layer_name, weight.data_ptr(), str(weight.dtype), tuple(weight.shape),
-                      s.content_hash or id(s.layer), s.layer.stem, s.strength, s.layer.alpha))
+                      s.content_hash or id(s.layer), s.layer.stem, s.strength, s.update.alpha))
     return tuple(parts)
 
 

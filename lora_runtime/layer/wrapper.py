@@ -1,47 +1,41 @@
 """LoraLinear: the adapters of one Linear (or ComfyUI cast Linear), N at a time.
 
 Contract
-- ``base_layer`` is the real layer; ``get_base_layer()`` follows ``.base_layer``
-  down, so guards always judge the real layer. ``weight``, ``bias`` and every other
-  attribute not defined here read through to the wrapped layer.
-- On a model it is **attached, not inserted**: ``attach()`` sets an instance
-  ``forward`` on the real layer (chaining any instance forward already there) and
-  records itself as ``layer._lora_runtime``; the module tree, ``named_modules()``,
-  ``state_dict()`` keys and the Parameters ComfyUI manages are unchanged, and
-  ComfyUI's cast / lowvram ``weight_function`` forward still computes the base output.
-  ``detach()`` puts the previous forward back. ``attached_wrapper(layer)`` reads it.
-  A LoraLinear that is not attached is an ordinary module calling ``base_layer(x)``.
-- Adapters live in ``self.slots`` (ordered by name of insertion); each has its own
-  strength and enabled flag. Slot state changes only through the methods below.
-- Dynamic path (adapter not merged): ``y = base(x) + delta`` for every enabled slot
-  with non-zero strength, with the factors applied by `scaling` per the runtime
-  context's tier. In ``lossless``/``high``, plain LoRA slots share one stacked pair of
-  GEMMs and the delta is accumulated in place with the scale as the GEMM's alpha
-  (``addmm_``): no extra allocation of the output and no ``aten.mul`` for a uniform
-  scale. ``exact`` runs the reference path: per slot, ``((x A^T) B^T)`` then each
-  non-unit factor in order, then ``y = y + delta``.
-- ``diff_b`` is an output offset: added at run time even when the weight is merged.
-- A runtime scale of 0.0 returns the base output. Merged updates ignore the runtime
-  scale (they are in the weight).
-- ``lora_active`` says whether this call adds anything to ``base(x)`` right now.
-- Merging: ``merge()`` folds every enabled slot's weight delta into the base weight
-  (see `merge`) and ``unmerge()`` restores it bit for bit.
+- Attached, not inserted: ``attach()`` sets an instance ``forward`` on the real layer (chaining
+  any instance forward already there) and records itself as ``layer._lora_runtime``; the module
+  tree, state dict and the host's Parameters are unchanged; ``detach()`` puts the forward back.
+  ``weight``, ``bias`` and every other attribute read through to the wrapped layer.
+- Adapters live in ``slots`` (insertion order), each with its update, strength and enabled flag;
+  they change only through `add_adapter` / `set_slots` and the setters.
+- Dynamic path: ``y = base(x) + sum of each live slot's delta``; the update answers how (its
+  `forward`, or its `stack()` pair) and `scaling` applies the factors per the runtime tier.
+  ``diff_b`` offsets are added at run time even when the weight is merged. A runtime scale of
+  0.0 returns the base output.
+- ``merge()`` folds the live slots' weight deltas into the weight with one rounding;
+  ``unmerge()`` restores it bit for bit.
+- ``stack(device, dtype)`` is what a fused kernel takes for this call, or None.
+The paths and their numerics: docs/engine.md.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import variants
-from .adapter import LayerAdapter
-from .errors import LoraRuntimeError, MergeRefusedError
+from ..errors import MergeRefusedError
+from . import stacking
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import current_context
-from .scaling import folds_scales, scale_delta
+from .stacking import can_add_inplace, row_mask
+from ..scaling import combined_factor, folds_scales, scale_delta, times
+from ..updates import Update
+
+if TYPE_CHECKING:
+    from ..files.adapter import LayerAdapter
 
 _FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -50,7 +44,7 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 @dataclass
 class AdapterSlot:
     name: str
-    layer: LayerAdapter
+    layer: "LayerAdapter"
     strength: float = 1.0
     enabled: bool = True
     merged: bool = False
@@ -58,25 +52,26 @@ class AdapterSlot:
     frozen_delta: torch.Tensor | None = field(default=None, repr=False)  # weight-dependent delta while merged
 
     @property
-    def variant(self) -> variants.Variant:
-        return self.layer.variant
+    def update(self) -> Update:
+        return self.layer.update
 
     @property
     def contributes(self) -> bool:
         return self.enabled and self.strength != 0.0
 
     @property
-    def is_plain_lora(self) -> bool:
-        """A plain LoRA: stackable with the others, takeable by a fused kernel."""
-        return type(self.layer.variant) is variants.LoRA
+    def stackable(self) -> bool:
+        """Does the update answer `stack()` (one low-rank pair a stacked GEMM or fused kernel takes)?"""
+        return self.layer.update.stack() is not None
 
     @property
     def has_weight_delta(self) -> bool:
-        return self.layer.variant.has_weight_delta
+        return self.layer.update.has_weight_delta
 
-    def tensors(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(down [r, in], up [out, r]) of a plain LoRA slot on device in dtype (cached)."""
-        return self.layer.variant.factors(device, dtype)
+    @property
+    def factor(self) -> float:
+        """The update's scale times this slot's strength (no runtime scale)."""
+        return combined_factor(self.layer.update.scale, self.strength)
 
 
 def mergeable(layer: nn.Module) -> tuple[bool, str]:
@@ -102,26 +97,6 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
     if w.is_meta:
         return False, "weight is on the meta device (offloaded)"
     return True, ""
-
-
-def _can_add_inplace(y: torch.Tensor) -> bool:
-    """In-place accumulation into the base output: only when it is a plain contiguous tensor
-    outside autograd (a leaf-free inference output)."""
-    return y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad)
-
-
-def _rows(mask: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor:
-    """A per-row 0/1 mask [rows] of the model call shaped to broadcast over `like` (batch on dim
-    0, or batch-major flattened rows), in its dtype (0 and 1 are exact in every float dtype)."""
-    n = mask.shape[0]
-    lead = like.shape[0] if like.dim() else 1
-    if lead != n:
-        if like.dim() < 2 or lead % n:
-            raise LoraRuntimeError(
-                f"{layer}: a per-branch adapter needs the batch on dim 0 of this layer's input, but it has "
-                f"{lead} rows for a call of {n}; set the adapter's branch to 'both'")
-        mask = mask.repeat_interleave(lead // n)
-    return mask.to(like.device, like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 ATTR = "_lora_runtime"
@@ -213,7 +188,7 @@ class LoraLinear(nn.Module):
         return layer
 
     # --- slot state ---------------------------------------------------------------
-    def add_adapter(self, name: str, layer: LayerAdapter, strength: float = 1.0, enabled: bool = True,
+    def add_adapter(self, name: str, layer: "LayerAdapter", strength: float = 1.0, enabled: bool = True,
                     content_hash: str = "") -> None:
         if name in self.slots:
             raise ValueError(f"{self.layer_name}: adapter {name!r} is already attached")
@@ -236,13 +211,29 @@ class LoraLinear(nn.Module):
         self.slots[name].enabled = bool(enabled)
         self._invalidate()
 
+    def set_slots(self, entries) -> None:
+        """Make the slots exactly `entries`, in order: (name, layer, strength, enabled, content_hash).
+        A slot whose layer is the same object keeps its caches and takes the new strength and flag."""
+        self._require_unmerged("change the adapters")
+        old = dict(self.slots)
+        self.slots.clear()
+        self._invalidate()
+        for name, layer, strength, enabled, content_hash in entries:
+            slot = old.get(name)
+            if slot is not None and slot.layer is layer:
+                slot.strength, slot.enabled = float(strength), bool(enabled)
+                self.slots[name] = slot
+            else:
+                self.add_adapter(name, layer, strength, enabled, content_hash=content_hash)
+        self._invalidate()
+
     def _weight_changed(self) -> None:
         """The base weight may differ from what weight-dependent updates (DoRA norms) cached:
         a new run, or a merge / restore here. Inference tensors keep no version counter, so
         the caches are cleared explicitly."""
         for s in self.slots.values():
-            if s.variant is not None and s.variant.needs_weight:
-                s.variant.clear_cache()
+            if s.update is not None and s.update.needs_weight:
+                s.update.clear_cache()
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -255,7 +246,7 @@ class LoraLinear(nn.Module):
         if self._plan_cache is None:
             self._plan_cache = (
                 [s for s in self._weight_slots() if not s.merged],
-                [s for s in self.slots.values() if s.contributes and s.variant.diff_b is not None],
+                [s for s in self.slots.values() if s.contributes and s.update.diff_b is not None],
             )
         return self._plan_cache
 
@@ -269,7 +260,7 @@ class LoraLinear(nn.Module):
 
     @property
     def has_output_offset(self) -> bool:
-        return any(s.contributes and s.variant.diff_b is not None for s in self.slots.values())
+        return any(s.contributes and s.update.diff_b is not None for s in self.slots.values())
 
     @property
     def lora_active(self) -> bool:
@@ -277,11 +268,11 @@ class LoraLinear(nn.Module):
         ctx = current_context()
         if ctx is not None and ctx.scale == 0.0:
             return False
-        return any(s.contributes and (not s.merged or s.variant.diff_b is not None)
-                   and (ctx is None or ctx.adapters is None or self.call_factor(s, ctx)[0] != 0.0)  # issue 12
+        return any(s.contributes and (not s.merged or s.update.diff_b is not None)
+                   and (ctx is None or ctx.adapters is None or self.call_factor(s, ctx)[0] != 0.0)
                    for s in self.slots.values())
 
-    # --- issue 12: per-call factor of a slot (strength schedule, CFG branch) ---------------
+    # --- per-call factor of a slot (strength schedule, CFG branch) ---------------------
     def call_factor(self, s: AdapterSlot, ctx) -> tuple[float, "torch.Tensor | None"]:
         """Slot `s`'s runtime scale for this call and its row mask (fp32 [rows] of 0/1 over the
         call's batch, or None for every row): the context's scale times the adapter's scheduled
@@ -306,7 +297,7 @@ class LoraLinear(nn.Module):
 
     @property
     def weight2d(self) -> torch.Tensor:
-        """The weight as the [out, in * kernel] matrix the variants' deltas are written for
+        """The weight as the [out, in * kernel] matrix the updates' deltas are written for
         (a view: writes reach the layer's weight)."""
         w = self.weight
         return w.view(w.shape[0], -1) if w.dim() > 2 else w
@@ -325,8 +316,8 @@ class LoraLinear(nn.Module):
             if s.frozen_delta is not None:
                 out += s.frozen_delta[rows]
                 continue
-            d = s.variant.delta(w.device, torch.float32, rows, weight=w if s.variant.needs_weight else None)
-            out += d.mul_(s.strength) if s.strength != 1.0 else d
+            d = s.update.delta(w.device, torch.float32, rows, weight=w if s.update.needs_weight else None)
+            out += times(d, s.strength, inplace=True)
         return out
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
@@ -346,8 +337,8 @@ class LoraLinear(nn.Module):
             return
         w = self.weight2d
         for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
-            if s.variant.needs_weight:
-                s.frozen_delta = s.variant.delta(w.device, torch.float32, weight=w).mul_(s.strength)
+            if s.update.needs_weight:
+                s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
         try:
             self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name)
         except BaseException:
@@ -390,7 +381,7 @@ class LoraLinear(nn.Module):
         if ctx is not None and ctx.scale == 0.0:
             return y
         # this call's runtime scale and row mask per slot: the context's scale, times a strength
-        # schedule and a CFG-branch mask when the sampler set them (issue 12, schedule.py)
+        # schedule and a CFG-branch mask when the sampler set them (schedule.py)
         f = {s.name: self.call_factor(s, ctx) for s in (*dyn, *offsets)}
         if ctx is not None and ctx.adapters is not None:  # slots scheduled to 0 this call: base bits
             dyn = [s for s in dyn if f[s.name][0] != 0.0]
@@ -398,40 +389,40 @@ class LoraLinear(nn.Module):
         if self.is_conv:
             return self._conv_forward(x, y, dyn, offsets, f, ctx)
         if folds_scales(ctx):
-            # DoRA (per-row norm) needs x W^T: read it off the base output before anything is
-            # added to it (y - bias) instead of a second base GEMM; reference path: recomputed
-            dora = [s for s in dyn if s.variant.needs_base_output]
-            y0 = self._base_out_nobias(y) if dora else None
-            first = [self._masked(self._slot_delta(x, s, f[s.name][0], ctx, y0=y0), f[s.name][1]) for s in dora]
-            plain = [s for s in dyn if s.is_plain_lora]
-            if plain:
-                f0 = f[plain[0].name]
-                if f0[1] is None and all(f[s.name] == f0 for s in plain):
-                    y = self._stacked_delta(x, y, plain, f0[0])  # uniform: scale rides as addmm_'s alpha
+            # an update that wants x W^T (DoRA, per-row norm) reads it off the base output before
+            # anything is added to it (y - bias) instead of a second base GEMM; reference: recomputed
+            first = [s for s in dyn if s.update.needs_base_output]
+            y0 = self._base_out_nobias(y) if first else None
+            first = [self._masked(self._slot_delta(x, s, f[s.name][0], ctx, y0=y0), f[s.name][1]) for s in first]
+            stacked = [s for s in dyn if s.stackable]
+            if stacked:  # one pair of GEMMs for every update that answers stack()
+                f0 = f[stacked[0].name]
+                if f0[1] is None and all(f[s.name] == f0 for s in stacked):
+                    y = stacking.add_stacked(self, x, y, stacked, f0[0])  # uniform: scale rides as addmm_'s alpha
                 else:
-                    y = self._stacked_delta_per_slot(x, y, plain, [f[s.name] for s in plain])
+                    y = stacking.add_stacked_per_slot(self, x, y, stacked, [f[s.name] for s in stacked])
             for d in first:
-                y = y.add_(d) if _can_add_inplace(y) else y + d
-            dyn = [s for s in dyn if not s.is_plain_lora and not s.variant.needs_base_output]
+                y = y.add_(d) if can_add_inplace(y) else y + d
+            dyn = [s for s in dyn if not s.stackable and not s.update.needs_base_output]
         for s in dyn:
             # the delta is a fresh tensor, scaled in place; accumulate in place too (same bits)
             d = self._masked(self._slot_delta(x, s, f[s.name][0], ctx), f[s.name][1])
-            y = y.add_(d) if _can_add_inplace(y) else y + d
+            y = y.add_(d) if can_add_inplace(y) else y + d
         return self._add_offsets(y, offsets, f, ctx)
 
     def _masked(self, d: torch.Tensor, mask) -> torch.Tensor:
         """The delta on the rows of this call's chosen CFG branch only (exact: the last factor)."""
-        return d if mask is None else d * _rows(mask, d, self.layer_name)
+        return d if mask is None else times(d, row_mask(mask, d, self.layer_name))
 
     def _add_offsets(self, y: torch.Tensor, offsets, f, ctx) -> torch.Tensor:
         """diff_b output offsets (cached and shared: never in place); on a conv, per channel."""
         for s in offsets:
             rs, mask = f[s.name]
-            off = s.variant.bias_delta(y.device, y.dtype)
+            off = s.update.bias_delta(y.device, y.dtype)
             if self.is_conv:
                 off = off.reshape(-1, *([1] * (y.dim() - 2)))
             off = scale_delta(off, (s.strength, rs), ctx)
-            y = y + (off if mask is None else off * _rows(mask, y, self.layer_name))
+            y = y + (off if mask is None else times(off, row_mask(mask, y, self.layer_name)))
         return y
 
     def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -444,18 +435,19 @@ class LoraLinear(nn.Module):
         return y if b is None else y - b.to(y.device, y.dtype)
 
     def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx, y0=None) -> torch.Tensor:
-        """One slot's output delta (no diff_b). Plain LoRA in `exact`: ((x A^T) B^T), then each
-        non-unit factor (scale, strength, runtime scale) in order. Other variants: the
-        variant's own factorised forward (`variants`), then strength and runtime scale;
-        in lossless/high both go into the variant's forward (onto its small inner tensor)."""
-        v = s.variant
-        if type(v) is variants.LoRA:
-            a, b = s.tensors(x.device, x.dtype)
-            return scale_delta(F.linear(F.linear(x, a), b), (v.scale, s.strength, rs), ctx, inplace=True)
+        """One slot's output delta (no diff_b). An update with a `stack()` pair, in `exact`:
+        ((x A^T) B^T), then each non-unit factor (scale, strength, runtime scale) in order. Other
+        updates: their own `forward`, then strength and runtime scale; in lossless/high their
+        product goes into the update's forward (onto its small inner tensor)."""
+        v = s.update
+        st = v.stack(x.device, x.dtype)
+        if st is not None:
+            a, b, scale = st
+            return scale_delta(F.linear(F.linear(x, a), b), (scale, s.strength, rs), ctx, inplace=True)
         w = self.weight if v.needs_weight else None
         if folds_scales(ctx):
-            return v.forward_delta(x, s.strength * rs, base_out_nobias=y0, weight=w, include_bias=False)
-        return scale_delta(v.forward_delta(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
+            return v.forward(x, combined_factor(s.strength, rs), base_out_nobias=y0, weight=w, include_bias=False)
+        return scale_delta(v.forward(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
 
     def _conv_forward(self, x, y, dyn, offsets, f, ctx):
         """Conv layers: each live slot's dense kernel delta (strength folded in, cached per
@@ -467,68 +459,28 @@ class LoraLinear(nn.Module):
             key = ("conv", s.name, s.strength, x.device, x.dtype)
             k = self._stack_cache.get(key)
             if k is None:
-                d = s.variant.delta(x.device, torch.float32)
-                k = self._stack_cache[key] = d.mul_(s.strength).reshape(conv.weight.shape).to(x.dtype)
+                d = times(s.update.delta(x.device, torch.float32), s.strength, inplace=True)
+                k = self._stack_cache[key] = d.reshape(conv.weight.shape).to(x.dtype)
             rs, mask = f[s.name]
             d = scale_delta(fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups), (rs,), ctx,
                             inplace=True)
             d = self._masked(d, mask)
-            y = y.add_(d) if _can_add_inplace(y) else y + d
+            y = y.add_(d) if can_add_inplace(y) else y + d
         return self._add_offsets(y, offsets, f, ctx)
 
-    def plain_stack(self, device, dtype, slots: list[AdapterSlot] | None = None):
-        """Stacked (A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None).
-
-        The factors are alpha/rank * strength per adapter, without the runtime scale.
-        Cached until the slot state changes.
-        """
-        slots = [s for s in self._weight_slots() if not s.merged and s.is_plain_lora] if slots is None else slots
-        key = (device, dtype, tuple(s.name for s in slots))
-        st = self._stack_cache.get(key)
-        if st is None:
-            ab = [s.tensors(device, dtype) for s in slots]
-            factors = [s.layer.alpha_over_rank * s.strength for s in slots]
-            a = ab[0][0] if len(ab) == 1 else torch.cat([p[0] for p in ab], 0)
-            b = ab[0][1] if len(ab) == 1 else torch.cat([p[1] for p in ab], 1)
-            uniform = all(f == factors[0] for f in factors)
-            vec = None if uniform else torch.cat(
-                [torch.full((s.layer.rank,), f, dtype=torch.float32) for s, f in zip(slots, factors)]).to(device)
-            st = self._stack_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
-        return st
-
-    def fusable_stack(self, device, dtype):
-        """What a LoRA-aware fused kernel needs, or None when some live slot is not plain LoRA.
-
-        Returns (A_cat [R, in], B_cat [out, R], scale) with scale a float or an fp32 [R]
-        tensor that already includes the runtime scale.
-        """
-        ctx = current_context()
-        rs = ctx.scale if ctx is not None else 1.0
-        live, offsets = self._call_plan()
-        if not live or offsets or self.is_conv or any(not s.is_plain_lora for s in live):
-            return None
-        if ctx is not None and ctx.adapters is not None:  # issue 12: this call's per-adapter factors
-            f = {s.name: self.call_factor(s, ctx) for s in live}
-            if any(m is not None for _, m in f.values()):
-                return None  # a per-row (per-branch) factor: the fused kernel takes per-rank scales only
-            live = [s for s in live if f[s.name][0] != 0.0]
-            if not live:
-                return None
-            if any(f[s.name][0] != f[live[0].name][0] for s in live):
-                a, bt, _, _ = self.plain_stack(device, dtype, live)
-                return a, bt.t(), torch.cat([torch.full((s.layer.rank,), s.layer.alpha_over_rank * s.strength *
-                                                        f[s.name][0], dtype=torch.float32) for s in live]).to(device)
-            rs = f[live[0].name][0]
-        a, bt, factor, vec = self.plain_stack(device, dtype, live)
-        scale = factor * rs if vec is None else (vec * rs if rs != 1.0 else vec)
-        return a, bt.t(), scale
+    # --- the stacked low-rank pairs (the fast dynamic path, the fused kernels) -------------
+    def stack(self, device, dtype):
+        """What a LoRA-aware fused kernel takes for this call: (A_cat [R, in], B_cat [out, R],
+        scale: a float or an fp32 [R] tensor including the runtime scale), or None when some live
+        slot has no `stack()` pair, rides an offset or a per-row mask, or the layer is a conv."""
+        return stacking.fused_stack(self, device, dtype)
 
     def unfusable_reason(self) -> str:
-        """Why `fusable_stack` gives nothing right now (for the fusion report)."""
-        if self.call_has_row_mask():  # issue 12
+        """Why `stack` gives nothing right now (for the fusion report)."""
+        if self.call_has_row_mask():
             return "a per-branch adapter in a CFG batch: the fused kernel takes a per-rank scale, not a per-row one"
         live, offsets = self._call_plan()
-        kinds = sorted({s.variant.kind for s in live if not s.is_plain_lora})
+        kinds = sorted({s.update.kind for s in live if not s.stackable})
         if kinds:
             return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
         if offsets:
@@ -536,42 +488,6 @@ class LoraLinear(nn.Module):
         if self.is_conv:
             return "a convolution"
         return "no live low-rank update"
-
-    def _stacked_delta(self, x: torch.Tensor, y: torch.Tensor, slots: list[AdapterSlot], rs: float) -> torch.Tensor:
-        """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
-        a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
-        h = F.linear(x, a)
-        if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
-            h = h.mul_(vec.to(h.dtype))
-            alpha = rs
-        else:
-            alpha = factor * rs
-        if not _can_add_inplace(y):
-            y = y.contiguous() if not y.requires_grad else y.clone()
-        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)
-        return y
-
-    def _stacked_delta_per_slot(self, x, y, slots, factors) -> torch.Tensor:
-        """y += sum_i (x A_i^T) * f_i * mask_i B_i^T: one pair of GEMMs; the per-adapter factors
-        (alpha/rank * strength * this call's runtime scale) and row masks on h [T, R]."""
-        a, bt, factor, vec = self.plain_stack(x.device, x.dtype, slots)
-        key = ("per_slot", x.device, x.dtype, tuple(s.name for s in slots), tuple(rs for rs, _ in factors))
-        per_rank = self._stack_cache.get(key)
-        if per_rank is None:  # one small vector per distinct factor set (at most one per step)
-            base = [s.layer.alpha_over_rank * s.strength for s in slots]
-            per_rank = self._stack_cache[key] = torch.cat(
-                [torch.full((s.layer.rank,), b * rs, dtype=torch.float32) for s, b, (rs, _) in
-                 zip(slots, base, factors)]).to(x.device, x.dtype)
-        h = F.linear(x, a).mul_(per_rank)
-        r0 = 0
-        for s, (_, mask) in zip(slots, factors):
-            if mask is not None:
-                h[..., r0:r0 + s.layer.rank].mul_(_rows(mask, h, self.layer_name))
-            r0 += s.layer.rank
-        if not _can_add_inplace(y):
-            y = y.contiguous() if not y.requires_grad else y.clone()
-        y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt)
-        return y
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: " + ", ".join(

@@ -1,0 +1,1 @@
+"""Merge or dynamic, per adapter: `policy.decide`, measured, cached and explained."""

@@ -1,0 +1,216 @@
+"""DoRA: W' = m ⊙ (W + s·dW) / ||W + s·dW|| around a LoRA / LoHa / LoKr `inner` update.
+
+Keys: ``dora_scale`` (LyCORIS / ComfyUI), ``lora_magnitude_vector[.<slot>][.weight]`` (PEFT), ``dora``.
+``delta`` (needs ``weight=``) is W' - W; strength multiplies it (ComfyUI's rule: at strength 0 the
+layer is the base layer). The magnitude's shape picks the norm axis: [out] / [out, 1] per output
+row ("out"), [1, in] / [in] per input column ("in"). Norm of the merged weight by default;
+``comfy_quirk=True`` takes ComfyUI's norm of the original W for axis "out". ``eps`` is added to
+every norm (default fp32 eps; PEFT: 0). Details and the derivations: docs/engine.md.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import AdapterFormatError
+from ..scaling import times
+from .base import Update, as_device, compute_dtype, rows_on, weight_key
+
+# Budget (elements) for one chunk of a dense [rows, in] block built to compute norms.
+CHUNK_ELEMS = 1 << 24
+MAX_CACHE = 8   # weight-dependent results kept per update (norms, g, dense deltas), times 4
+
+
+class DoRA(Update):
+    kind = "dora"
+    label = "DoRA"
+    KEY_PARTS = ((re.compile(r"^(?:dora_scale|dora|lora_magnitude_vector(?:\.[A-Za-z0-9_\-]+)?(?:\.weight)?)$"),
+                  "dora"),)
+    ROLES = ("dora",)
+
+    def __init__(self, inner: Update, magnitude: Tensor, *, stem: str = "", comfy_quirk: bool = False,
+                 eps: float | None = None, diff_b: Tensor | None = None):
+        if not getattr(inner, "takes_dora", False):
+            raise AdapterFormatError(f"{stem or inner.stem}: DoRA needs a LoRA, LoHa or LoKr update, "
+                                     f"got {type(inner).__name__}")
+        super().__init__(stem or inner.stem, inner.alpha, diff_b if diff_b is not None else inner.diff_b)
+        if inner.diff_b is not None and diff_b is not None:
+            raise self._err("diff_b given twice (on the DoRA and on its inner update)")
+        self.inner = inner
+        inner.diff_b = None  # the bias offset is the DoRA's, applied once
+        if not isinstance(magnitude, Tensor) or not magnitude.is_floating_point():
+            raise self._err("the DoRA magnitude (dora_scale / lora_magnitude_vector) must be a float tensor")
+        self.magnitude = magnitude
+        self.comfy_quirk = bool(comfy_quirk)
+        self.eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+        o, i = inner.out_features, inner.in_features
+        m = magnitude
+        if m.shape[0] == o and m.numel() == o:  # [out] / [out, 1]  (ComfyUI: shape[0] == out)
+            self.axis = "out"
+        elif m.numel() == i and (m.dim() == 1 or (m.dim() >= 2 and m.shape[0] == 1)):  # [1, in] / [in]
+            self.axis = "in"
+        else:
+            raise self._err(f"the DoRA magnitude has shape {tuple(m.shape)}; for a [{o}, {i}] weight it must "
+                            f"be [{o}] or [{o}, 1] (per output row) or [1, {i}] (per input column)")
+        self._check_bias()
+
+    @property
+    def scale(self) -> float:
+        return self.inner.scale
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.inner.in_features
+
+    @property
+    def needs_weight(self) -> bool:
+        return True
+
+    @property
+    def needs_base_output(self) -> bool:
+        return self.axis == "out"
+
+    def tensors(self) -> dict[str, Tensor]:
+        t = dict(self.inner.tensors())
+        t["dora_scale"] = self.magnitude
+        if self.diff_b is not None:
+            t["diff_b"] = self.diff_b
+        return t
+
+    def clear_cache(self) -> None:
+        super().clear_cache()
+        self.inner.clear_cache()
+
+    def cached_nbytes(self) -> int:
+        return super().cached_nbytes() + self.inner.cached_nbytes()
+
+    def _m(self, device, ct) -> Tensor:
+        return self._on(device, ct, "m", lambda: self.magnitude.reshape(-1))
+
+    def _check_weight(self, weight: Tensor | None) -> Tensor:
+        if weight is None:
+            raise self._err("DoRA needs the base weight (weight=...)")
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise self._err(f"the base weight is {tuple(weight.shape)}; the DoRA update is "
+                            f"[{self.out_features}, {self.in_features}]")
+        return weight
+
+    def _remember(self, key, value):
+        if len(self._cache) >= 4 * MAX_CACHE:
+            for k in [k for k in self._cache if k[0] in ("norm", "g", "dense")][:MAX_CACHE]:
+                del self._cache[k]
+        self._cache[key] = value
+        return value
+
+    @torch.no_grad()
+    def norm_of(self, weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The DoRA norm + eps: [out] (axis "out") or [in] (axis "in"), on weight's device.
+
+        Cached per base weight (storage, in-place version, shape). For a chunked in-place
+        merge with axis "in", compute it BEFORE writing the first chunk and pass it to each
+        `delta(..., norm=...)` call (the column norms span all rows).
+        """
+        weight = self._check_weight(weight)
+        ct = compute_dtype(dtype)
+        key = ("norm", weight_key(weight), ct)
+        n = self._cache.get(key)
+        if n is not None:
+            return n
+        dev, out_f, in_f = weight.device, self.out_features, self.in_features
+        if self.axis == "out" and self.comfy_quirk:
+            n = torch.linalg.vector_norm(weight.to(ct), dim=1)
+        else:
+            step = max(1, CHUNK_ELEMS // max(1, in_f))
+            acc = torch.zeros(out_f if self.axis == "out" else in_f, device=dev, dtype=ct)
+            for r0 in range(0, out_f, step):
+                rs = slice(r0, min(out_f, r0 + step))
+                wc = weight[rs].to(ct) + self.inner._delta(dev, ct, rs, None)
+                if self.axis == "out":
+                    acc[rs] = torch.linalg.vector_norm(wc, dim=1)
+                else:
+                    acc += wc.square().sum(0)
+            n = acc if self.axis == "out" else acc.sqrt_()
+        return self._remember(key, n.add_(self.eps))
+
+    def magnitude_over_norm(self, weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """g = m / norm: [out] (axis "out") or [in] (axis "in"); cached with the norm."""
+        ct = compute_dtype(dtype)
+        key = ("g", weight_key(weight), ct)
+        g = self._cache.get(key)
+        if g is None:
+            g = self._remember(key, self._m(weight.device, ct) / self.norm_of(weight, ct))
+        return g
+
+    def dora_row_scale(self, weight: Tensor, strength: float = 1.0) -> Tensor:
+        """Per-output-row factor r = 1 + strength * (g - 1) [out] (fp32, weight's device).
+
+        With it the final output is ``y = r ⊙ (x W^T) + (r - 1 + strength) ⊙ s x dW^T + b``
+        (r - 1 + strength = strength * g). Only for axis "out"; axis "in" has no such form.
+        """
+        if self.axis != "out":
+            raise self._err("a per-column DoRA magnitude ([1, in]) has no per-row output scale; "
+                            "use delta()/forward(), which build the dense delta")
+        g = self.magnitude_over_norm(weight)
+        return g.clone() if strength == 1.0 else times(g - 1.0, strength, inplace=True).add_(1.0)
+
+    def delta(self, device="cpu", dtype: torch.dtype = torch.float32, rows=None, *,
+              weight: Tensor | None = None, norm: Tensor | None = None) -> Tensor:
+        """W' - W (rows optional), not times strength. `weight` is required; `norm` lets a
+        chunked in-place merge use norms taken before the first write (see `norm_of`)."""
+        d = self._dora_delta(as_device(device), compute_dtype(dtype), rows, weight, norm)
+        return d if d.dtype == dtype else d.to(dtype)
+
+    def _delta(self, device, ct, rows, weight) -> Tensor:
+        return self._dora_delta(device, ct, rows, weight, None)
+
+    @torch.no_grad()
+    def _dora_delta(self, device, ct, rows, weight, norm) -> Tensor:
+        weight = self._check_weight(weight)
+        r = rows_on(rows, weight.device)
+        w = (weight if rows is None else weight[r]).to(device=device, dtype=ct)
+        wc = w + self.inner._delta(device, ct, rows, None)
+        m = self._m(device, ct)
+        if self.axis == "out":
+            if norm is not None:
+                n = norm.to(device=device, dtype=ct)
+                n = n if rows is None else n[rows_on(rows, device)]
+            elif ("norm", weight_key(weight), ct) in self._cache:
+                n = self._cache[("norm", weight_key(weight), ct)].to(device)
+                n = n if rows is None else n[rows_on(rows, device)]
+            else:  # per-row norms need only these rows
+                src = w if self.comfy_quirk else wc
+                n = torch.linalg.vector_norm(src, dim=1).add_(self.eps)
+            mr = m if rows is None else m[rows_on(rows, device)]
+            return wc.mul_((mr / n).unsqueeze(1)).sub_(w)
+        n = (norm if norm is not None else self.norm_of(weight, ct)).to(device=device, dtype=ct)
+        return wc.mul_((m / n).unsqueeze(0)).sub_(w)
+
+    def forward(self, x: Tensor, factor: float = 1.0, base_out_nobias: Tensor | None = None,
+                weight: Tensor | None = None, *, include_bias: bool = True) -> Tensor:
+        """factor * (x W'^T - x W^T) (+ factor * diff_b). `weight` is required;
+        `base_out_nobias` (= x W^T, no bias) saves a GEMM on the per-row path."""
+        return super().forward(x, factor, base_out_nobias, weight, include_bias=include_bias)
+
+    def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
+        weight = self._check_weight(weight)
+        if factor == 0.0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        if self.axis == "out":
+            g = self.magnitude_over_norm(weight).to(device=x.device, dtype=x.dtype)
+            y0 = base_out_nobias if base_out_nobias is not None else F.linear(x, weight.to(x.device, x.dtype))
+            y = (g - 1) * y0 + g * self.inner._forward(x, 1.0, None, None)
+        else:
+            key = ("dense", weight_key(weight), str(x.device), x.dtype)
+            d = self._cache.get(key)
+            if d is None:
+                d = self._remember(key, self._dora_delta(x.device, compute_dtype(x.dtype), None, weight,
+                                                         None).to(x.dtype))
+            y = F.linear(x, d)
+        return times(y, factor)

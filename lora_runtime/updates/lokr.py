@@ -1,0 +1,150 @@
+"""LoKr (LyCORIS): delta = scale * kron(w1, w2), w1 [a, b], w2 [c, d], out = a*c, in = b*d.
+
+Keys: ``lokr_w1`` or ``lokr_w1_a`` [a, r1] + ``lokr_w1_b`` [r1, b]; ``lokr_w2`` or ``lokr_w2_a`` [c, r2] +
+``lokr_w2_b`` [r2, d]; Tucker adds ``lokr_t2`` [ra, rb] (w2 = w2_a^T t2 w2_b, factorised w2 only).
+Scale: ``alpha / dim`` with dim = ``lokr_w2_b`` rows when w2 is factorised, else ``lokr_w1_b`` rows;
+1.0 without alpha or when both sides are full (alpha is then ignored).
+`forward` never builds the dense delta: y viewed as [..., a, c] is (w1 @ X) @ w2^T for X [..., b, d].
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..scaling import combined_factor, times
+from .base import Update, as_linear, rows_on
+
+_NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+
+
+class LoKr(Update):
+    kind = "lokr"
+    label = "LoKr"
+    KEY_PARTS = ((re.compile(r"^(?:" + "|".join(_NAMES) + r")$"), ""),)
+    ROLES = _NAMES
+    takes_dora = True
+
+    def __init__(self, *, w1: Tensor | None = None, w1_a: Tensor | None = None, w1_b: Tensor | None = None,
+                 w2: Tensor | None = None, w2_a: Tensor | None = None, w2_b: Tensor | None = None,
+                 t2: Tensor | None = None, alpha: float | None = None, stem: str = "",
+                 diff_b: Tensor | None = None):
+        super().__init__(stem, alpha, diff_b)
+        s = self.stem
+        for side, full, fa, fb in ((1, w1, w1_a, w1_b), (2, w2, w2_a, w2_b)):
+            if full is not None and (fa is not None or fb is not None):
+                raise self._err(f"both lokr_w{side} and lokr_w{side}_a/_b are present; keep one form")
+            if full is None and (fa is None or fb is None):
+                have = [n for n, t in ((f"lokr_w{side}_a", fa), (f"lokr_w{side}_b", fb)) if t is not None]
+                raise self._err(f"LoKr needs lokr_w{side} or lokr_w{side}_a + lokr_w{side}_b; "
+                                f"found {have or 'neither'}")
+        if t2 is not None and w2 is not None:
+            raise self._err("lokr_t2 (Tucker) needs the factorised lokr_w2_a/lokr_w2_b, not lokr_w2")
+        cv = lambda t, n: None if t is None else as_linear(t, s, n)  # noqa: E731
+        self.w1, self.w1_a, self.w1_b = cv(w1, "lokr_w1"), cv(w1_a, "lokr_w1_a"), cv(w1_b, "lokr_w1_b")
+        self.w2, self.w2_a, self.w2_b = cv(w2, "lokr_w2"), cv(w2_a, "lokr_w2_a"), cv(w2_b, "lokr_w2_b")
+        self.t2 = cv(t2, "lokr_t2")
+        if self.w1 is None and self.w1_a.shape[1] != self.w1_b.shape[0]:
+            raise self._err(f"lokr_w1_a is {tuple(self.w1_a.shape)} and lokr_w1_b is {tuple(self.w1_b.shape)}: "
+                            "inner sizes differ")
+        if self.w2 is None:
+            if self.t2 is None and self.w2_a.shape[1] != self.w2_b.shape[0]:
+                raise self._err(f"lokr_w2_a is {tuple(self.w2_a.shape)} and lokr_w2_b is "
+                                f"{tuple(self.w2_b.shape)}: inner sizes differ")
+            if self.t2 is not None and self.t2.shape != (self.w2_a.shape[0], self.w2_b.shape[0]):
+                raise self._err(f"lokr_t2 is {tuple(self.t2.shape)}; with lokr_w2_a {tuple(self.w2_a.shape)} "
+                                f"[ra, c] and lokr_w2_b {tuple(self.w2_b.shape)} [rb, d] it must be "
+                                f"[{self.w2_a.shape[0]}, {self.w2_b.shape[0]}]")
+        self._check_bias()
+
+    @classmethod
+    def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
+        g = roles.get
+        return cls(w1=g("lokr_w1"), w1_a=g("lokr_w1_a"), w1_b=g("lokr_w1_b"), w2=g("lokr_w2"),
+                   w2_a=g("lokr_w2_a"), w2_b=g("lokr_w2_b"), t2=g("lokr_t2"), alpha=alpha, stem=stem)
+
+    # shapes of the two Kronecker factors
+    @property
+    def w1_shape(self) -> tuple[int, int]:
+        return tuple(self.w1.shape) if self.w1 is not None else (int(self.w1_a.shape[0]), int(self.w1_b.shape[1]))
+
+    @property
+    def w2_shape(self) -> tuple[int, int]:
+        if self.w2 is not None:
+            return tuple(self.w2.shape)
+        c = self.w2_a.shape[1] if self.t2 is not None else self.w2_a.shape[0]
+        return int(c), int(self.w2_b.shape[1])
+
+    @property
+    def dim(self) -> int | None:
+        """ComfyUI's rank for the scale: w2_b rows if w2 is factorised, else w1_b rows, else None."""
+        if self.w2 is None:
+            return int(self.w2_b.shape[0])
+        if self.w1 is None:
+            return int(self.w1_b.shape[0])
+        return None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.alpha is None or self.dim is None else self.alpha / self.dim
+
+    @property
+    def out_features(self) -> int:
+        return self.w1_shape[0] * self.w2_shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.w1_shape[1] * self.w2_shape[1]
+
+    def tensors(self) -> dict[str, Tensor]:
+        vals = (self.w1, self.w1_a, self.w1_b, self.w2, self.w2_a, self.w2_b, self.t2)
+        t = {n: v for n, v in zip(_NAMES, vals) if v is not None}
+        if self.diff_b is not None:
+            t["diff_b"] = self.diff_b
+        return t
+
+    def kron_factors(self, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Dense (w1 [a, b], w2 [c, d]) on device in dtype, unscaled; cached."""
+        def make1():
+            return self.w1 if self.w1 is not None else self.w1_a.double() @ self.w1_b.double()
+
+        def make2():
+            if self.w2 is not None:
+                return self.w2
+            if self.t2 is not None:
+                return (self.w2_a.double().t() @ self.t2.double()) @ self.w2_b.double()
+            return self.w2_a.double() @ self.w2_b.double()
+
+        # contiguous: torch.kron fails on some non-contiguous inputs (einsum/transposed outputs)
+        return (self._on(device, dtype, "w1", lambda: make1().contiguous()),
+                self._on(device, dtype, "w2", lambda: make2().contiguous()))
+
+    def _delta(self, device, ct, rows, weight) -> Tensor:
+        w1, w2 = self.kron_factors(device, ct)
+        if rows is None:
+            return times(torch.kron(w1, w2), self.scale, inplace=True)
+        c = w2.shape[0]
+        idx = torch.arange(self.out_features, device=device)[rows_on(rows, device)]
+        p, q = idx // c, idx % c
+        block = w1[p].unsqueeze(2) * w2[q].unsqueeze(1)  # [n, b, d]
+        return times(block.reshape(idx.numel(), -1), self.scale, inplace=True)
+
+    def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
+        w1, w2 = self.kron_factors(x.device, x.dtype)
+        w1 = times(w1, combined_factor(self.scale, factor))  # the smaller factor
+        b, d = w1.shape[1], w2.shape[1]
+        xv = x.reshape(*x.shape[:-1], b, d)
+        # mix over w1 first, on the input-sized [..., b, d] -> [..., a, d] (cheap), so the only
+        # output-sized tensor is the final one: y[..., p, :] = (sum_j w1[p, j] X[..., j, :]) w2^T
+        u = torch.matmul(w1, xv)
+        r = None if self.w2 is not None or self.t2 is not None else int(self.w2_b.shape[0])
+        if r is not None and 2 * r * (w2.shape[0] + d) < w2.shape[0] * d:
+            # factorised w2 = w2_a w2_b: two thin GEMMs at under half the dense product's flops
+            w2a = self._on(x.device, x.dtype, "w2_a", lambda: self.w2_a)
+            w2b = self._on(x.device, x.dtype, "w2_b", lambda: self.w2_b)
+            y = F.linear(F.linear(u, w2b), w2a)
+        else:
+            y = F.linear(u, w2)  # [..., a, c]
+        return y.reshape(*x.shape[:-1], self.out_features)
