@@ -139,6 +139,22 @@ def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None
     return tuple(parts)
 
 
+def _cannot_overflow(w: LoraLinear, s) -> bool:
+    """Can slot `s` never take a weight of `w`'s dtype past its largest finite value, whatever
+    the weight? Round-to-nearest of ``W + dW`` stays finite when ``|dW|`` is below half an ulp
+    at the top of the dtype's range (fp16: 16, bf16: 2**119); for a plain LoRA ``|dW|`` is at
+    most ``|strength * scale| * max_i sum_k |up_ik| * max |down|``. Reads the factors only."""
+    dtype = w.weight.dtype
+    if not s.is_plain_lora or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    fi = torch.finfo(dtype)
+    half_ulp_top = 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2
+    down, up = s.tensors(w.weight.device, torch.float32)
+    bound = (abs(s.strength * s.layer.variant.scale) * float(up.abs().sum(dim=1).max())
+             * float(down.abs().max()))
+    return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta itself
+
+
 def _sample_rows(rows: int, device, max_rows: int):
     if rows <= max_rows:
         return slice(0, rows)
@@ -227,6 +243,8 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
         why = "dynamic mode never touches the weights"
         check = None  # overflow check only: an update the weight dtype cannot hold (cached by content)
         for name in names:
+            if all(_cannot_overflow(w, s) for w in wrappers for s in [_slot(w, name)] if s is not None):
+                continue  # bounded by its factors: no weight of this dtype can overflow
             key = _adapter_key(wrappers, name, weight_keys) if cache is not None else None
             if key is not None and key in cache.checks:
                 continue

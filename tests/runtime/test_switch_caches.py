@@ -195,9 +195,34 @@ def test_dynamic_overflow_check_is_cached_by_content(fp16_setup):
     assert cache.check_measurements == 3                # another file: measured
     model.to(torch.bfloat16)
     _dyn(model, path, cache)
-    assert cache.check_measurements == 4                # another dtype: measured
-    _dyn(model, path, DecisionCache())
-    assert DecisionCache().check_measurements == 0
+    assert cache.check_measurements == 3                # bf16: |dW| <= ~100 cannot overflow, by the bound
+
+
+def test_small_updates_need_no_overflow_measurement_even_in_fp16(tmp_path):
+    """|dW| bounded by the factors below half an fp16 ulp at 65504 (16): no weight can overflow,
+    nothing is measured (not even the first time); an update past the bound is measured."""
+    model = TinyWanLike(dtype=torch.float16)
+    ref = TinyWanLike()
+    small = write_kohya(tmp_path / "s.safetensors", make_adapter_tensors(ref, r=2, seed=1, scale=0.3), alpha=2.0)
+    large = write_kohya(tmp_path / "l.safetensors", make_adapter_tensors(ref, r=2, seed=1, scale=6.0), alpha=2.0)
+    cache = DecisionCache()
+    _dyn(model, small, cache)
+    assert cache.check_measurements == 0
+    _dyn(model, large, cache)
+    assert cache.check_measurements == 1
+
+
+def test_auto_measurement_is_fresh_for_another_dtype(tmp_path):
+    model = TinyWanLike(dtype=torch.bfloat16)
+    path = write_kohya(tmp_path / "s.safetensors", make_adapter_tensors(TinyWanLike(), r=4, seed=1, scale=0.25),
+                       alpha=4.0)
+    cache = DecisionCache()
+    for dtype, n in ((torch.bfloat16, 1), (torch.bfloat16, 1), (torch.float16, 2)):
+        model.to(dtype)
+        inj = LoraInjector(model)
+        inj.apply(plan(model, [AdapterSpec(str(path), 0.8)], "auto"), cache)
+        inj.clear()
+        assert cache.measurements == n, dtype
 
 
 def test_a_changed_weight_is_not_served_the_old_overflow_answer(fp16_setup):
