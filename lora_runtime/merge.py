@@ -107,15 +107,13 @@ def fingerprint(w: torch.Tensor) -> tuple[int, int]:
     if lanes is None:
         return _fingerprint_elements(w)
     pos = _odd_weights(lanes.device)
-    s0 = int(lanes.sum().item())
-    s1 = 0
+    s1 = torch.zeros((), dtype=torch.int64, device=lanes.device)  # int64 sums wrap: modulo 2**64
     tmp = torch.empty(min(_FP_LANES, lanes.numel()), dtype=torch.int64, device=lanes.device)
     for i in range(0, lanes.numel(), _FP_LANES):
         part = lanes[i : i + _FP_LANES]
         o = i % _FP_PERIOD
-        t = torch.mul(part, pos[o : o + part.numel()], out=tmp[: part.numel()])
-        s1 += int(t.sum().item())
-    return s0 & 0xFFFFFFFFFFFFFFFF, s1 & 0xFFFFFFFFFFFFFFFF
+        s1 += torch.mul(part, pos[o : o + part.numel()], out=tmp[: part.numel()]).sum()
+    return int(lanes.sum().item()) & 0xFFFFFFFFFFFFFFFF, int(s1.item()) & 0xFFFFFFFFFFFFFFFF
 
 
 def content_key(w: torch.Tensor) -> tuple:

@@ -39,6 +39,16 @@ def test_any_single_element_change_changes_the_key(key):
         assert key(_flip(w, i, -1)) != k0, i
 
 
+def test_fingerprint_is_its_documented_definition():
+    """Sum of the 64-bit lanes and their sum weighted by 2 * (lane mod 65521) + 1, both mod
+    2**64, over more than one 65536-lane block (the blocks must not shift the weights)."""
+    w = _bf16(300, 1024)
+    lanes = w.view(-1).view(torch.int64).tolist()
+    m = (1 << 64) - 1
+    ref = (sum(lanes) & m, sum(v * (2 * (j % 65521) + 1) for j, v in enumerate(lanes)) & m)
+    assert fingerprint(w) == ref
+
+
 @pytest.mark.parametrize("key", [fingerprint, content_key])
 def test_ulp_slips_that_cancel_in_a_plain_sum_are_caught(key):
     """+1 ulp here and -1 ulp at the same lane position elsewhere leave the sum of the bits
