@@ -149,10 +149,11 @@ def _cannot_overflow(w: LoraLinear, s) -> bool:
         return False
     fi = torch.finfo(dtype)
     half_ulp_top = 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2
-    down, up = s.tensors(w.weight.device, torch.float32)
+    v = s.layer.variant  # the factors as loaded (no cast cached for this)
+    down, up = v.down.float(), v.up.float()
     bound = (abs(s.strength * s.layer.variant.scale) * float(up.abs().sum(dim=1).max())
              * float(down.abs().max()))
-    return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta itself
+    return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta and of the bound
 
 
 def _sample_rows(rows: int, device, max_rows: int):
