@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .host.bundled import folder_paths
+from .host.bundled import folder_paths, progress
 from .host.bundled.executor import execute_prompt
 from .host.bundled.workflow_format import set_widget_value
 
@@ -48,6 +49,7 @@ class Run:
     # overrides by node class: {class_type: {input: value}}; node ids are looked up in the workflow
     overrides: dict = field(default_factory=dict)
     share_of: str | None = None  # key of the run whose measured share lost {share} shows (a forced merge measures none)
+    why: str = ""       # the sheet's second line: why the row looks as it does, where that is not plain
 
 
 def _few(mode: str | None = None) -> dict:
@@ -67,7 +69,8 @@ RUNS = [
     Run("style_dyn_exact", "embedded_style", "style, dynamic, tier exact: the reference path", "base",
         {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "exact"}}),
     Run("style_dyn_high", "embedded_style", "style, dynamic, tier high: close to exact", "base",
-        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "high"}}),
+        {"LoraRuntimeMergeMode": {"mode": "dynamic"}, "LoraRuntimeQualityTier": {"tier": "high"}},
+        why="on the CPU no kernel is fused (fus 0), so high runs lossless's path: the same images"),
     Run("style_diffusers", "embedded_style_diffusers", "style, diffusers keys: same as kohya keys", "base"),
     Run("base_4", "embedded_base", f"base, {FEW_STEPS} steps CFG 1: blurry", "base", _few()),
     Run("distilled_auto", "embedded_distilled",
@@ -78,8 +81,11 @@ RUNS = [
         share_of="distilled_auto"),
     Run("distilled_half", "embedded_distilled_first_half",
         f"distilled on the first half of the steps only (schedule '0:1, 0.5:0'): auto keeps it dynamic "
-        f"(|d| {{mad}} vs base {FEW_STEPS})", "base_4", _few()),
+        f"(|d| {{mad}} vs base {FEW_STEPS})", "base_4", _few(),
+        why=f"a small effect, as expected: the adapter acts on steps 1-2 of {FEW_STEPS} only and steps 3-4 run "
+            f"without it (on all {FEW_STEPS} steps: the distilled, auto row)"),
 ]
+LABEL_H = 28  # two text lines above each row of the contact sheet
 
 
 def _classes() -> dict:
@@ -100,10 +106,51 @@ def node_id(prompt: dict, class_type: str) -> str:
     return ids[0]
 
 
-def run_one(run: Run, out: Path, classes: dict, folders, steps: int) -> dict:
+class DemoProgress:
+    """Progress of the main job on a stream (default stderr): a line when a run starts and
+    ends, and the sampler's steps of every prompt. On a terminal the step line is redrawn
+    in place; otherwise (a pipe, a CI log, a file) every step is its own flushed line, so
+    a log shows the job moving."""
+
+    def __init__(self, total_runs: int, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total_runs = total_runs
+        self.index = 0
+        self.label = ""
+        self.t0 = time.perf_counter()
+
+    def _line(self, text: str, *, redraw: bool = False) -> None:
+        if self.tty and redraw:
+            self.stream.write("\r\x1b[K" + text)
+        else:
+            self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+    def run_started(self, run: "Run", steps: int) -> None:
+        self.index += 1
+        self._line(f"run {self.index}/{self.total_runs} {run.key} ({run.workflow}, {steps} steps, "
+                   f"{len(PROMPTS)} prompts x {BATCH} images)")
+
+    def prompt_started(self, i: int, text: str) -> None:
+        self.label = f"  run {self.index}/{self.total_runs} prompt {i + 1}/{len(PROMPTS)} '{text}'"
+
+    def __call__(self, value, total, preview=None, node_id=None) -> None:  # the sampler's ProgressBar hook
+        self._line(f"{self.label}: step {value}/{total}", redraw=True)
+
+    def run_done(self, run: "Run", seconds: float) -> None:
+        self._line(f"run {self.index}/{self.total_runs} {run.key} done in {seconds:.1f} s "
+                   f"(job {time.perf_counter() - self.t0:.0f} s)")
+
+
+def run_one(run: Run, out: Path, classes: dict, folders, steps: int, bar: DemoProgress | None = None) -> dict:
     """Every prompt of PROMPTS through the run's workflow; images in prompt order."""
     files, reports, wall = [], [], 0.0
-    for text in PROMPTS:
+    if bar is not None:
+        bar.run_started(run, steps)
+    for i, text in enumerate(PROMPTS):
+        if bar is not None:
+            bar.prompt_started(i, text)
         prompt = _load(run.workflow)
         ui_wf = json.loads((WORKFLOWS / f"{run.workflow}.ui.json").read_text())
         sampler = node_id(prompt, "LoraRuntimeSampler")
@@ -119,26 +166,32 @@ def run_one(run: Run, out: Path, classes: dict, folders, steps: int) -> dict:
             for name, value in values.items():
                 set_widget_value(ui_wf, nid, name, value, classes)
         t0 = time.perf_counter()
-        res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf}, unet_dtype="bf16")
+        with progress.progress_hook(bar):
+            res = execute_prompt(prompt, classes, folders=folders, extra_pnginfo={"workflow": ui_wf},
+                                 unet_dtype="bf16")
         wall += time.perf_counter() - t0
         files += res.saved_files()
         reports.append(res.ui[sampler]["lora_report"][0])
     images = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    if bar is not None:
+        bar.run_done(run, wall)
     return {"run": run.key, "workflow": run.workflow, "report": reports[-1],
             "prompts": [t for t in PROMPTS for _ in range(BATCH)],
             "steps": prompt[sampler]["inputs"]["steps"], "cfg": prompt[sampler]["inputs"]["cfg"],
             "files": files, "wall_seconds": wall, "images": images}
 
 
-def run_demo(output: str | os.PathLike, steps: int = 20) -> int:
+def run_demo(output: str | os.PathLike, steps: int = 20, progress_stream=None) -> int:
+    """progress_stream: where DemoProgress writes (default stderr)."""
     out = Path(output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     classes = _classes()
     folders = folder_paths.ModelFolders(output_dir=out)
+    bar = DemoProgress(len(RUNS), progress_stream)
     rows = []
     for run in RUNS:
         few = run.overrides.get("LoraRuntimeSampler", {}).get("steps")
-        rows.append(run_one(run, out, classes, folders, few or steps))
+        rows.append(run_one(run, out, classes, folders, few or steps, bar))
     by_key = {r["run"]: r for r in rows}
     for run, row in zip(RUNS, rows):
         ref = by_key[run.reference]["images"]
@@ -147,7 +200,9 @@ def run_demo(output: str | os.PathLike, steps: int = 20) -> int:
         share = (by_key[run.share_of or run.key]["report"].get("decision") or {}).get("share_lost")
         row["proves"] = run.proves.format(share="-" if share is None else f"{share:.0%}",
                                           mad=f"{row['mean_abs_diff_vs_reference']:.1f}")
-    contact_sheet([(r["proves"], r["images"]) for r in rows], out / "contact_sheet.png")
+    for run, row in zip(RUNS, rows):
+        row["note"] = sheet_note(run, row)
+    contact_sheet([(r["proves"], r["note"], r["images"]) for r in rows], out / "contact_sheet.png")
     (out / "decisions.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "images"} for r in rows],
                                                    indent=1, default=str))
     print(table(rows))
@@ -170,17 +225,28 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def sheet_note(run: Run, row: dict) -> str:
+    """The second line of a row: what its |d| is, and why it looks as it does where that is not plain."""
+    if run.reference == run.key:
+        d = "|d| = mean absolute difference in 0..255 levels, per pixel and channel, to the run named on each row"
+    else:
+        d = (f"|d| {row['mean_abs_diff_vs_reference']:.1f} = mean absolute difference in 0..255 levels "
+             f"vs '{run.reference}'")
+    return d + (f"; {run.why}" if run.why else "")
+
+
 def contact_sheet(sheet, path: Path, per_row: int = 8, scale: int = 2) -> None:
-    """One row per run: its label (what it proves) above its first ``per_row`` images."""
+    """One row per run: its label (what it proves) and a note (|d|, why) above its first ``per_row`` images."""
     cell = 64 * scale
-    label_h = 16
+    label_h = LABEL_H
     w = per_row * cell
     h = len(sheet) * (cell + label_h)
     img = Image.new("RGB", (w, h), (24, 24, 24))
     draw = ImageDraw.Draw(img)
-    for i, (label, imgs) in enumerate(sheet):
+    for i, (label, note, imgs) in enumerate(sheet):
         y = i * (cell + label_h)
         draw.text((4, y + 2), label, fill=(230, 230, 230))
+        draw.text((4, y + 15), note, fill=(160, 160, 160))
         for j, a in enumerate(imgs[:per_row]):
             tile = Image.fromarray(a).resize((cell, cell), Image.NEAREST)
             img.paste(tile, (j * cell, y + label_h))

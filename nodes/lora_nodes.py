@@ -58,7 +58,8 @@ class LoadLoraAdapter:
         }}
 
     RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The model with this adapter added (applied when the LoRA Sampler runs).",)
+    OUTPUT_TOOLTIPS = ("The model with this adapter added; any sampler that samples it (KSampler, the LoRA Sampler, "
+                       "others) applies it and restores the weights afterwards.",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
     DESCRIPTION = "Adds a LoRA adapter to the model. Chain several to stack adapters."
@@ -117,7 +118,7 @@ class LoraMergeMode:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "set_mode"
     CATEGORY = CATEGORY
-    DESCRIPTION = "How the LoRA Sampler applies the adapters on this model."
+    DESCRIPTION = "How any sampler that samples this model applies its adapters: merged into the weights or not."
 
     def set_mode(self, model, mode):
         return (intent.with_changes(model, mode=MergeMode(mode)),)
@@ -136,7 +137,7 @@ class LoraQualityTier:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "set_tier"
     CATEGORY = CATEGORY
-    DESCRIPTION = "What the LoRA Sampler guarantees about its numerics on this model."
+    DESCRIPTION = "What any sampler that samples this model guarantees about the adapters' numerics."
 
     def set_tier(self, model, tier):
         return (intent.with_changes(model, tier=Tier(tier)),)

@@ -47,6 +47,7 @@ const NODE_TYPES = {
   LoraRuntimeSampler: { kind: "report", property: "lora_runtime_report" },
   LoraRuntimeReport: { kind: "report", property: "lora_runtime_report" },
   LoraRuntimeLoadAdapter: { kind: "coverage", property: "lora_coverage" },
+  LoraRuntimeStack: { kind: "coverage", property: "lora_coverage" }, // one coverage per row that is on
 };
 // Any other node that sampled a MODEL carrying adapters (ComfyUI's KSampler, another
 // pack's sampler) gets the report the server sends as a `lora_runtime.report` event.

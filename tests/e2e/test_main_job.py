@@ -14,7 +14,9 @@ image is 8.4 levels; see models/MODEL_CARD.md) and are closer to the base's 20-s
 ones; where the glyph is, they differ by >= 20 levels (measured 24.4); a forced merge gives
 back images close to the base's 4-step ones.
 """
+import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +39,16 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     capture = pytest.MonkeyPatch()
     printed = []
+    progress_log = io.StringIO()  # not a terminal: every line must still come, one per step
     capture.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(str(x) for x in a)))
     try:
-        assert demo.run_demo(out) == 0
+        assert demo.run_demo(out, progress_stream=progress_log) == 0
     finally:
         capture.undo()
     rows = {r["run"]: r for r in json.loads((out / "decisions.json").read_text())}
     images = {k: np.stack([np.asarray(Image.open(f).convert("RGB")) for f in r["files"]]) for k, r in rows.items()}
-    return {"out": out, "rows": rows, "images": images, "printed": "\n".join(printed)}
+    return {"out": out, "rows": rows, "images": images, "printed": "\n".join(printed),
+            "progress": progress_log.getvalue()}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,7 @@ def test_sheet_and_table_say_what_each_row_proves(job):
     share = job["rows"]["distilled_auto"]["report"]["decision"]["share_lost"]
     assert f"{share:.0%} rounded away" in job["rows"]["distilled_merge"]["proves"]
     sheet = Image.open(job["out"] / "contact_sheet.png")
-    assert sheet.size[1] == len(demo.RUNS) * (128 + 16)
+    assert sheet.size[1] == len(demo.RUNS) * (128 + demo.LABEL_H)
 
 
 def test_committed_contact_sheet_is_what_the_main_job_writes(job):
@@ -162,3 +166,33 @@ def test_committed_contact_sheet_is_what_the_main_job_writes(job):
     band = new.shape[0] // len(demo.RUNS)  # one label strip + one row of images per run
     per_row = [mad(committed[i:i + band], new[i:i + band]) for i in range(0, new.shape[0], band)]
     assert max(per_row) <= 1.0, per_row
+
+
+def test_progress_per_run_and_per_step_when_not_a_terminal(job):
+    lines = job["progress"].splitlines()
+    assert "\r" not in job["progress"] and "\x1b" not in job["progress"]  # no terminal redraws in a log
+    n = len(demo.RUNS)
+    for i, run in enumerate(demo.RUNS, 1):
+        steps = job["rows"][run.key]["steps"]
+        assert any(l.startswith(f"run {i}/{n} {run.key} ({run.workflow}, {steps} steps") for l in lines), run.key
+        assert any(re.match(rf"run {i}/{n} {run.key} done in [0-9.]+ s", l) for l in lines), run.key
+        for p, text in enumerate(demo.PROMPTS, 1):
+            got = [l for l in lines if l.startswith(f"  run {i}/{n} prompt {p}/{len(demo.PROMPTS)} '{text}': step ")]
+            assert got == [f"  run {i}/{n} prompt {p}/{len(demo.PROMPTS)} '{text}': step {s}/{steps}"
+                           for s in range(1, steps + 1)], (run.key, text)
+
+
+def test_sheet_notes_say_what_d_is_and_why_rows_look_as_they_do(job):
+    rows = job["rows"]
+    for key, row in rows.items():
+        assert "mean absolute difference in 0..255 levels" in row["note"], key
+        if key != "base":
+            assert f"|d| {row['mean_abs_diff_vs_reference']:.1f}" in row["note"] and f"vs '{row['reference']}'" in row["note"]
+    # the half-schedule row: a smaller effect than the adapter on every step, and the note says why
+    few = job["images"]["base_4"]
+    assert mad(job["images"]["distilled_half"], few) < 0.5 * mad(job["images"]["distilled_auto"], few)  # 1.0 vs 5.4
+    assert "steps 1-2 of 4 only" in rows["distilled_half"]["note"]
+    # high and lossless: the same images where no kernel is fused (the CPU), and the note says so
+    if all(r["report"]["fusions"]["mounted"] == 0 for r in rows.values()):
+        assert np.array_equal(job["images"]["style_dyn_high"], job["images"]["style_dynamic"])
+        assert "high runs lossless's path" in rows["style_dyn_high"]["note"]

@@ -1,0 +1,91 @@
+"""What installing and publishing the pack relies on: the test extra holds every module the
+tests import (0 skips outside the CUDA tests and the opt-in suite), installing never
+reinstalls torch, the registry icon and the template folder are in the repo, and the
+README's commands are the ones CI runs."""
+import ast
+import json
+import re
+import tomllib
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+TORCH_FAMILY = ("torch", "torchvision", "torchaudio")
+
+
+def _dist(req: str) -> str:
+    return re.split(r"[<>=!~\[; ]", req.strip(), maxsplit=1)[0].lower()
+
+
+def _test_imports() -> set[str]:
+    """Top-level modules the tests import or importorskip (the opt-in integration suite aside)."""
+    found = set()
+    for f in (ROOT / "tests").rglob("*.py"):
+        if "integration" in f.parts:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                found.add(str(node.args[0].value).split(".")[0])
+    return found
+
+
+def test_test_extra_has_every_third_party_module_the_tests_use():
+    declared = {_dist(r) for r in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]}
+    third_party = {"peft", "diffusers", "jsonschema", "scipy", "triton", "pytest", "safetensors", "numpy", "torch"}
+    used = _test_imports() & (third_party | {"PIL"})
+    assert {"scipy", "peft", "diffusers", "jsonschema"} <= used  # the scan sees the gated imports
+    wanted = {"pillow" if m == "PIL" else m for m in used}
+    assert wanted <= declared, sorted(wanted - declared)
+
+
+def test_installing_the_pack_never_reinstalls_torch():
+    reqs = [l.split("#")[0].strip() for l in (ROOT / "requirements.txt").read_text().splitlines()]
+    assert not [r for r in reqs if r and _dist(r) in TORCH_FAMILY], "ComfyUI brings torch: not in requirements.txt"
+    for r in PYPROJECT["project"]["dependencies"]:
+        if _dist(r) in TORCH_FAMILY:  # a lower bound every ComfyUI install meets; no pin, no upper bound
+            spec = r[len(_dist(r)):].replace(" ", "")
+            assert re.fullmatch(r">=2\.[0-4](\.\d+)?", spec), r
+
+
+def test_registry_icon_and_comfyui_versions():
+    comfy = PYPROJECT["tool"]["comfy"]
+    repo = PYPROJECT["project"]["urls"]["Repository"].removeprefix("https://github.com/")
+    m = re.fullmatch(rf"https://raw\.githubusercontent\.com/{re.escape(repo)}/main/(.+)", comfy["Icon"])
+    assert m, comfy["Icon"]
+    icon = ROOT / m.group(1)
+    with Image.open(icon) as im:
+        assert im.format == "PNG" and im.size[0] == im.size[1] <= 400
+    assert icon.stat().st_size < 100_000
+    assert re.fullmatch(r">=\d+\.\d+\.\d+", comfy["requires-comfyui"])
+
+
+def test_example_workflows_are_the_ui_workflows_with_a_thumbnail_each():
+    ui = sorted(p.name[:-len(".ui.json")] for p in (ROOT / "workflows").glob("*.ui.json"))
+    ex = ROOT / "example_workflows"
+    assert sorted(p.stem for p in ex.glob("*.json")) == ui
+    for name in ui:
+        saved = json.loads((ex / f"{name}.json").read_text())
+        assert saved == json.loads((ROOT / "workflows" / f"{name}.ui.json").read_text()), \
+            f"{name}: stale; run python tools/make_example_workflows.py --demo <main job output>"
+        assert "nodes" in saved and "links" in saved  # the UI format the template browser opens
+        with Image.open(ex / f"{name}.jpg") as im:  # ComfyUI shows NAME.jpg as the template's thumbnail
+            assert im.format == "JPEG" and im.size == (256, 256)
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = ci[ci.index("# --- the README's test command ---") + 1].replace("python3 ", "python ")
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):]
+    quick = quick[:quick.index("\n## ", 4)]
+    assert command in quick, command
+    # the main job's install needs no test extra (no Triton, no diffusers to run the demo)
+    install_line = next(l for l in quick.splitlines() if "comfyui_lora_runtime demo" in l)
+    assert "[test]" not in install_line and "pip install" in install_line

@@ -1,0 +1,160 @@
+// The LoRA Stack editor rows (web/lora_stack.js) against stub ComfyUI modules (see
+// _harness.mjs): rows added, edited and removed through ComfyUI's own widgets, the
+// JSON written into the node's `rows` input (the one serialized value), rows rebuilt
+// from a saved workflow, a text that is not a list left visible; never a throw or a log.
+import assert from "node:assert/strict";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
+import { afterEach, beforeEach, test } from "node:test";
+
+import { installFakeDocument, tree } from "./_harness.mjs";
+
+const urls = tree();
+installFakeDocument();
+const { app } = await import(urls.app);
+const stack = await import(pathToFileURL(join(urls.root, "extensions", "comfyui-lora-runtime", "lora_stack.js")).href);
+const ext = app.extensions.find((e) => e.name === "comfyui_lora_runtime.stack");
+
+const consoleCalls = [];
+const saved = {};
+beforeEach(() => {
+  for (const k of ["log", "info", "warn", "error", "debug"]) {
+    saved[k] = console[k];
+    console[k] = (...a) => consoleCalls.push([k, a]);
+  }
+});
+afterEach(() => {
+  Object.assign(console, saved);
+  assert.deepEqual(consoleCalls, [], "the extension must not log");
+});
+
+/** LGraphNode subset: widgets made by addWidget, the `rows` and `unmatched_keys` inputs. */
+function makeStackClass() {
+  class FakeStack {
+    constructor() {
+      this.size = [300, 80];
+      this.widgets = [
+        { name: "rows", type: "customtext", value: "[]", element: { style: {} }, computeSize: () => [300, 60] },
+        { name: "unmatched_keys", type: "combo", value: "error" },
+      ];
+    }
+    addWidget(type, name, value, callback, options) {
+      const w = { type, name, value, callback, options };
+      this.widgets.push(w);
+      return w;
+    }
+    computeSize() {
+      return [200, 30 + 24 * this.widgets.filter((w) => !w.hidden).length];
+    }
+    setSize(s) {
+      this.size = [...s];
+    }
+    setDirtyCanvas() {}
+  }
+  return FakeStack;
+}
+
+const NODE_DATA = {
+  name: "LoraRuntimeStack",
+  input: { required: { model: ["MODEL"], rows: ["STRING", { default: "[]", multiline: true,
+    lora_names: ["style.safetensors", "sub/second.safetensors"],
+    branch_choices: ["both", "positive only", "negative only"] }] } },
+};
+const Stack = makeStackClass();
+await ext.beforeRegisterNodeDef(Stack, NODE_DATA, app);
+
+function create() {
+  const node = new Stack();
+  node.onNodeCreated?.();
+  return node;
+}
+const rowsOf = (node) => JSON.parse(node.widgets[0].value);
+const widget = (node, name) => node.widgets.find((w) => w.name === name);
+const click = (node, name) => widget(node, name).callback(null);
+
+test("a new node: the rows text hidden, one + Add LoRA button, no row", () => {
+  const node = create();
+  assert.equal(node.widgets[0].hidden, true);
+  assert.deepEqual(node.widgets[0].computeSize(), [0, -4]);
+  assert.equal(node.widgets[0].element.style.display, "none");
+  assert.deepEqual(node.widgets.slice(2).map((w) => w.name), ["+ Add LoRA"]);
+  assert.deepEqual(rowsOf(node), []);
+});
+
+test("add, edit and remove rows: the JSON the node reads follows every edit", () => {
+  const node = create();
+  click(node, "+ Add LoRA");
+  assert.deepEqual(rowsOf(node), [{ on: true, lora: "style.safetensors", strength: 1, schedule: "", branch: "both" }]);
+  assert.deepEqual(node.widgets.slice(2).map((w) => [w.type, w.name]), [
+    ["toggle", "LoRA 1"], ["combo", "1 file"], ["number", "1 strength"], ["text", "1 schedule"],
+    ["combo", "1 branch"], ["button", "✕ remove LoRA 1"], ["button", "+ Add LoRA"]]);
+  assert.deepEqual(widget(node, "1 file").options.values, ["style.safetensors", "sub/second.safetensors"]);
+  assert.deepEqual(widget(node, "1 branch").options.values, ["both", "positive only", "negative only"]);
+  click(node, "+ Add LoRA");
+  widget(node, "2 file").callback("sub/second.safetensors");
+  widget(node, "2 strength").callback(-0.5);
+  widget(node, "2 schedule").callback("0:1, 0.5:0");
+  widget(node, "2 branch").callback("positive only");
+  widget(node, "LoRA 1").callback(false);
+  assert.deepEqual(rowsOf(node), [
+    { on: false, lora: "style.safetensors", strength: 1, schedule: "", branch: "both" },
+    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only" }]);
+  click(node, "✕ remove LoRA 1");
+  assert.deepEqual(rowsOf(node), [
+    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only" }]);
+  assert.equal(widget(node, "1 file").value, "sub/second.safetensors"); // renumbered
+  assert.equal(widget(node, "2 file"), undefined);
+  assert.ok(node.size[1] >= node.computeSize()[1]); // the node grew / shrank with its rows
+});
+
+test("row widgets are not serialized: the rows text stays the one saved value, first", () => {
+  const node = create();
+  click(node, "+ Add LoRA");
+  for (const w of node.widgets.slice(2)) {
+    assert.equal(w.serialize, false, w.name);
+    assert.equal(w.options.serialize, false, w.name);
+  }
+  assert.deepEqual(node.widgets.slice(0, 2).map((w) => w.name), ["rows", "unmatched_keys"]);
+});
+
+test("a loaded workflow: rows rebuilt from the saved text", () => {
+  const node = create();
+  node.widgets[0].value = JSON.stringify([{ lora: "sub/second.safetensors", strength: 0.25, on: false },
+    { lora: "gone.safetensors" }]);
+  node.onConfigure?.({});
+  assert.equal(widget(node, "LoRA 1").value, false);
+  assert.equal(widget(node, "1 strength").value, 0.25);
+  assert.equal(widget(node, "2 file").value, "gone.safetensors"); // a file not in the folder is kept, shown first
+  assert.deepEqual(widget(node, "2 file").options.values, ["gone.safetensors", "style.safetensors",
+    "sub/second.safetensors"]);
+  assert.deepEqual(rowsOf(node)[1], { on: true, lora: "gone.safetensors", strength: 1, schedule: "", branch: "both" });
+});
+
+test("a rows text that is not a list of rows stays visible as text, with no row widgets", () => {
+  const node = create();
+  click(node, "+ Add LoRA");
+  node.widgets[0].value = "{not json";
+  node.onConfigure?.({});
+  assert.equal(node.widgets[0].hidden, false);
+  assert.deepEqual(node.widgets[0].computeSize(), [300, 60]);
+  assert.equal(node.widgets[0].element.style.display, "");
+  assert.equal(node.widgets.length, 2);
+  assert.equal(node.widgets[0].value, "{not json"); // not overwritten
+  assert.equal(stack.parseRows('[{"lora": "a"}, 3]'), null);
+  assert.equal(stack.parseRows('{"lora": "a"}'), null);
+});
+
+test("serializeRows writes the keys nodes/stack_node.py reads, in a fixed order", () => {
+  const text = stack.serializeRows([{ lora: "a.safetensors", strength: "0.5" }]);
+  assert.equal(text, '[{"on":true,"lora":"a.safetensors","strength":0.5,"schedule":"","branch":"both"}]');
+  assert.deepEqual(stack.parseRows(text), JSON.parse(text));
+});
+
+test("other node types are not touched", async () => {
+  const Other = makeStackClass();
+  await ext.beforeRegisterNodeDef(Other, { name: "LoraRuntimeLoadAdapter" }, app);
+  const node = new Other();
+  node.onNodeCreated?.();
+  assert.equal(node.widgets.length, 2);
+  assert.equal(node.widgets[0].hidden, undefined);
+});
