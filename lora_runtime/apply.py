@@ -147,6 +147,7 @@ class LoraInjector:
         self.model = model
         self.wrappers: dict[str, LoraLinear] = {}
         self.params: dict[str, ParamPatch] = {}
+        self.cache = DecisionCache()   # used when `apply` is given none (content-keyed: never stale)
 
     # -- attaching (instance forward; the module tree is never changed) -----------------
     def _wrap(self, name: str) -> LoraLinear:
@@ -166,7 +167,9 @@ class LoraInjector:
         finally:
             w.detach()
 
-    def unmerge_all(self) -> None:
+    def unmerge_all(self, remember: bool = False) -> None:
+        """Restore every merged weight. `remember` (inside `apply` only): each wrapper keeps
+        its verified fingerprint for the merge that follows in the same transition."""
         errors = []
         for pp in self.params.values():
             try:
@@ -176,7 +179,7 @@ class LoraInjector:
         self.params.clear()
         for w in self.wrappers.values():
             try:
-                w.unmerge()
+                w.unmerge(remember=remember)
             except Exception as e:  # keep restoring the others
                 errors.append(e)
         if errors:
@@ -191,7 +194,14 @@ class LoraInjector:
     # -- state transition --------------------------------------------------------------
     def apply(self, p: Plan, cache: DecisionCache | None = None) -> ApplyReport:
         t0 = time.perf_counter()
-        self.unmerge_all()
+        try:
+            return self._apply(p, self.cache if cache is None else cache, t0)
+        finally:  # a fingerprint verified by this transition's restore is never reused later
+            for w in self.wrappers.values():
+                w.forget_verified()
+
+    def _apply(self, p: Plan, cache: DecisionCache, t0: float) -> ApplyReport:
+        self.unmerge_all(remember=True)
         wanted: dict[str, list[tuple[PlannedAdapter, LayerAdapter]]] = {}
         params: dict[str, ParamPatch] = {}
         named = None

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
+from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import LoraLinear, mergeable
 
@@ -91,13 +92,25 @@ class MergeDecision:
 
 @dataclass
 class DecisionCache:
-    """Measured rounding-loss shares; one instance per base model (held by the caller)."""
+    """Measured rounding-loss shares and passed overflow checks; one instance per base model
+    (held by the caller). Keys carry the content of what was measured (see `_adapter_key`),
+    so a changed weight, adapter file, strength or dtype is measured afresh, never served
+    an old answer."""
 
     shares: dict = field(default_factory=dict)
     measurements: int = 0
+    checks: dict = field(default_factory=dict)   # overflow checks passed (dynamic mode)
+    check_measurements: int = 0
+    max_entries: int = 512
 
     def clear(self) -> None:
         self.shares.clear()
+        self.checks.clear()
+
+    def _put(self, table: dict, key, value) -> None:
+        if len(table) >= self.max_entries:
+            table.pop(next(iter(table)))  # the oldest entry
+        table[key] = value
 
 
 def _slot(w: LoraLinear, name: str):
@@ -105,16 +118,42 @@ def _slot(w: LoraLinear, name: str):
     return s if s is not None and s.contributes and s.has_weight_delta else None
 
 
-def _adapter_key(wrappers: list[LoraLinear], name: str) -> tuple:
+def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None = None) -> tuple | None:
+    """What a measurement of adapter `name` on `wrappers` depends on, by content: per layer the
+    weight's content key (dtype, shape, device, checksums of its bits: `merge.content_key`),
+    the adapter file's digest, the layer stem, strength and alpha. None when a slot has no
+    content digest (an adapter built in memory): such a measurement is never cached."""
     parts = []
     for w in wrappers:
         s = _slot(w, name)
         if s is None:
             continue
-        weight = w.weight
-        parts.append((w.layer_name, weight.data_ptr(), str(weight.dtype), tuple(weight.shape),
-                      s.content_hash or id(s.layer), s.layer.stem, s.strength, s.update.alpha))
+        if not s.content_hash:
+            return None
+        wk = weight_keys.get(w.layer_name) if weight_keys is not None else None
+        if wk is None:
+            wk = content_key(w.weight2d)
+            if weight_keys is not None:
+                weight_keys[w.layer_name] = wk
+        parts.append((w.layer_name, wk, s.content_hash, s.layer.stem, s.strength, s.update.alpha))
     return tuple(parts)
+
+
+def _cannot_overflow(w: LoraLinear, s) -> bool:
+    """Can slot `s` never take a weight of `w`'s dtype past its largest finite value, whatever
+    the weight? Round-to-nearest of ``W + dW`` stays finite when ``|dW|`` is below half an ulp
+    at the top of the dtype's range (fp16: 16, bf16: 2**119); for a low-rank pair (``stack()``) ``|dW|`` is at
+    most ``|strength * scale| * max_i sum_k |up_ik| * max |down|``. Reads the factors only."""
+    dtype = w.weight.dtype
+    st = s.update.stack()  # the low-rank pair as loaded (no cast cached for this), or None
+    if st is None or dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    fi = torch.finfo(dtype)
+    half_ulp_top = 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2
+    down, up, scale = st
+    bound = (abs(s.strength * scale) * float(up.float().abs().sum(dim=1).max())
+             * float(down.float().abs().max()))
+    return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta and of the bound
 
 
 def _sample_rows(rows: int, device, max_rows: int):
@@ -200,11 +239,21 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     def each(chosen: str, reason: str, share=None) -> list[AdapterDecision]:
         return [AdapterDecision(name, chosen, share, reason, counts[name]) for name in names]
 
+    weight_keys: dict = {}  # layer -> content key, read once per decision
     if mode is MergeMode.DYNAMIC:
         why = "dynamic mode never touches the weights"
-        check = _SequentialEstimate(wrappers)  # overflow check only: an update the weight dtype cannot hold
+        check = None  # overflow check only: an update the weight dtype cannot hold (cached by content)
         for name in names:
+            if all(_cannot_overflow(w, s) for w in wrappers for s in [_slot(w, name)] if s is not None):
+                continue  # bounded by its factors: no weight of this dtype can overflow
+            key = _adapter_key(wrappers, name, weight_keys) if cache is not None else None
+            if key is not None and key in cache.checks:
+                continue
+            check = check or _SequentialEstimate(wrappers)
             check.share(name)
+            if key is not None:
+                cache._put(cache.checks, key, True)
+                cache.check_measurements += 1
         return _summary(mode, each("dynamic", why), n, {}, why)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
@@ -255,19 +304,20 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
         if name in varying:  # a merge cannot follow a strength that changes per step or per branch
             decisions.append(AdapterDecision(name, "dynamic", None, varying[name], counts[name]))
             continue
-        key = (_adapter_key(rest, name), tuple(merged_keys))
-        if not key[0]:  # this adapter only touches layers the host keeps dynamic
+        if not any(_slot(w, name) is not None for w in rest):  # only layers the host keeps dynamic
             decisions.append(AdapterDecision(name, "dynamic", None, "all its layers stay dynamic", counts[name]))
             continue
-        hit = cache is not None and key in cache.shares
+        own = _adapter_key(rest, name, weight_keys) if cache is not None else None
+        key = (own, tuple(merged_keys)) if own is not None and None not in merged_keys else None
+        hit = key is not None and key in cache.shares
         after = None
         if hit:
             share = cache.shares[key]
         else:
             all_cached = False
             share, after = sampled().share(name)
-            if cache is not None:
-                cache.shares[key] = share
+            if key is not None:
+                cache._put(cache.shares, key, share)
                 cache.measurements += 1
         if share > AUTO_MERGE_MAX_ROUNDING_LOSS:
             reason = (f"stays unmerged: merging into the base weights would round away {share:.0%} of its update "
@@ -276,7 +326,7 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
             continue
         reason = f"merged: a merge rounds away {share:.0%} of its update (<= {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})"
         decisions.append(AdapterDecision(name, "merge", share, reason, counts[name], hit))
-        merged_keys.append(key[0])
+        merged_keys.append(own)
         merged_names.append(name)
         if estimate is not None:  # later adapters are measured against the weight with this one merged
             estimate.advance(after if after is not None else estimate.share(name)[1])

@@ -5,9 +5,11 @@ returns the fp32 delta for a row selection (a slice or an index tensor), so the
 merge, the restore and the rounding-loss estimate share one slicing and scaling.
 
 Merge: ``W' = round(fp32(W) + dW)``, one rounding to the weight dtype, in row chunks
-so the temporary stays under ``chunk_bytes``. Pass 1 computes every chunk, checks it
-is finite and records what a restore needs; pass 2 writes. A NaN/Inf therefore
-raises before a single element is written.
+so the temporaries stay under ``chunk_bytes`` (on the CPU small enough to stay in
+cache). Each chunk's delta is computed once: the chunk is checked finite, the restore
+simulated on it (its misses recorded), then written. A NaN/Inf or an interrupt
+part-way restores the chunks already written bit for bit before it propagates, so no
+weight is left modified.
 
 Restore without a full backup: ``round(fp32(W') - dW)`` gives ``W`` back except where
 the merge crossed a rounding boundary; those elements (index + original value) are
@@ -22,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..errors import NonFiniteMergeError, RestoreError
 
 DeltaRows = Callable[[slice | torch.Tensor], torch.Tensor]
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024   # accelerators: few, large chunks (one launch per op per chunk)
+CPU_CHUNK_BYTES = 4 * 1024 * 1024        # CPU: ~1 MiB per fp32 temporary, so every pass runs in cache
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
 
 
@@ -38,7 +42,7 @@ class RestoreRecord:
     shape: tuple[int, ...]
     dtype: torch.dtype
     fingerprint: tuple[int, int]
-    index: torch.Tensor | None = None        # flat indices where recomputation misses
+    index: torch.Tensor | None = None        # flat indices where recomputation misses (ascending)
     values: torch.Tensor | None = None       # original values there
     full: torch.Tensor | None = None         # fallback copy
 
@@ -52,6 +56,10 @@ class RestoreRecord:
         return int(self.index.numel()) if self.index is not None else -1
 
 
+def chunk_bytes_for(device) -> int:
+    return CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else DEFAULT_CHUNK_BYTES
+
+
 def row_chunks(rows: int, cols: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     # ~4 fp32 temporaries of chunk size live at once
     step = max(1, chunk_bytes // max(1, cols * 4 * 4))
@@ -59,82 +67,194 @@ def row_chunks(rows: int, cols: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         yield slice(r0, min(rows, r0 + step))
 
 
+# --- fingerprint ------------------------------------------------------------------------
 _FP_PERIOD = 65521
-_FP_STEP = _FP_PERIOD * 64  # a multiple of the period: every chunk uses the same position weights
+_FP_LANES = 1 << 16       # int64 lanes per multiply (512 KiB of scratch)
 _fp_weights: dict = {}
 
 
-def _position_weights(device) -> torch.Tensor:
+def _odd_weights(device) -> torch.Tensor:
+    """(2 * (j mod 65521) + 1) for j in [0, 65521 + _FP_LANES): odd, so a weighted lane never cancels."""
     w = _fp_weights.get(device)
     if w is None:
-        w = _fp_weights[device] = torch.arange(_FP_STEP, dtype=torch.int64, device=device) % _FP_PERIOD + 1
+        j = torch.arange(_FP_PERIOD + _FP_LANES, dtype=torch.int64, device=device) % _FP_PERIOD
+        w = _fp_weights[device] = j * 2 + 1
     return w
 
 
+def _lanes(w: torch.Tensor) -> torch.Tensor | None:
+    """The weight's bits as int64 lanes (a view when the layout allows, else of a copy), or
+    None when its bytes do not form whole lanes. Depends on dtype and shape only."""
+    if (w.numel() * w.element_size()) % 8:
+        return None
+    if not w.is_contiguous() or w.data_ptr() % 8:
+        w = w.contiguous().clone()
+    return w.reshape(-1).view(_INT_VIEW[w.dtype]).view(torch.int64)
+
+
 def fingerprint(w: torch.Tensor) -> tuple[int, int]:
-    """Two integer checksums of the bit pattern (cheap; detects any restore slip):
-    the sum of the bit patterns and their sum weighted by (position mod 65521) + 1."""
-    flat = w.detach().reshape(-1).view(_INT_VIEW[w.dtype])
-    pos = _position_weights(flat.device)
+    """Two integer checksums of the bit pattern (cheap; detects any restore slip).
+
+    The bits are read as 64-bit lanes (a view: no conversion): the sum of the lanes and
+    their sum weighted by odd position weights (2 * (lane index mod 65521) + 1), both
+    modulo 2**64. A change in any single element changes both (a nonzero lane change
+    times an odd number is nonzero modulo 2**64); a restore slip of many elements
+    cancels in both only by coincidence. Weights whose bytes do not form whole lanes
+    use the element-wise form (the same sums over the elements' own integer bits).
+    """
+    w = w.detach()
+    lanes = _lanes(w)
+    if lanes is None:
+        return _fingerprint_elements(w)
+    pos = _odd_weights(lanes.device)
+    s1 = torch.zeros((), dtype=torch.int64, device=lanes.device)  # int64 sums wrap: modulo 2**64
+    tmp = torch.empty(min(_FP_LANES, lanes.numel()), dtype=torch.int64, device=lanes.device)
+    for i in range(0, lanes.numel(), _FP_LANES):
+        part = lanes[i : i + _FP_LANES]
+        o = i % _FP_PERIOD
+        s1 += torch.mul(part, pos[o : o + part.numel()], out=tmp[: part.numel()]).sum()
+    return int(lanes.sum().item()) & 0xFFFFFFFFFFFFFFFF, int(s1.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def content_key(w: torch.Tensor) -> tuple:
+    """A cheap key of a weight's content for caches of measurements on it: device, dtype,
+    shape and two checksums of its bits from one reduction over the rows (the row sums of
+    its 64-bit lanes; their total, and their sum weighted by odd row weights, both modulo
+    2**64). Any single-element change changes both; it reads the weight once without
+    converting it (about a hundredth of a merge's work). Not a proof against a crafted
+    change that cancels in both sums; what it guards against is a weight that was patched,
+    reloaded or replaced under the same storage, which it catches.
+    """
+    w = w.detach()
+    m = w.reshape(w.shape[0], -1) if w.dim() >= 2 else w.reshape(1, -1)
+    bits = m.view(_INT_VIEW[w.dtype]) if m.is_contiguous() else m.contiguous().view(_INT_VIEW[w.dtype])
+    if (bits.shape[1] * bits.element_size()) % 8 == 0 and bits.data_ptr() % 8 == 0:
+        rows = bits.view(torch.int64).sum(dim=1)
+    else:
+        rows = bits.to(torch.int64).sum(dim=1)
+    pos = _odd_weights(rows.device)
+    s1 = 0
+    for i in range(0, rows.numel(), _FP_LANES):
+        part = rows[i : i + _FP_LANES]
+        o = i % _FP_PERIOD
+        s1 += int((part * pos[o : o + part.numel()]).sum().item())
+    M = 0xFFFFFFFFFFFFFFFF
+    return (str(w.device), str(w.dtype), tuple(w.shape), int(rows.sum().item()) & M, s1 & M)
+
+
+def _fingerprint_elements(w: torch.Tensor) -> tuple[int, int]:
+    flat = w.reshape(-1).view(_INT_VIEW[w.dtype])
+    pos = _odd_weights(flat.device)
     s0 = s1 = 0
-    for i in range(0, flat.numel(), _FP_STEP):
-        part = flat[i : i + _FP_STEP].to(torch.int64)
+    for i in range(0, flat.numel(), _FP_LANES):
+        part = flat[i : i + _FP_LANES].to(torch.int64)
+        o = i % _FP_PERIOD
         s0 += int(part.sum().item())
-        s1 += int((part * pos[: part.numel()]).sum().item())
-    return s0, s1
+        s1 += int((part * pos[o : o + part.numel()]).sum().item())
+    return s0 & 0xFFFFFFFFFFFFFFFF, s1 & 0xFFFFFFFFFFFFFFFF
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.dtype])
 
 
+def _non_finite_error(what: str, r: int, c: int) -> NonFiniteMergeError:
+    return NonFiniteMergeError(
+        f"{what}: merging would write a non-finite value at [{r}, {c}]; no weight was changed. "
+        "The adapter's update at this strength does not fit this weight dtype (dynamic mode would give "
+        "inf/NaN too): lower the strength, or load the model in bf16/fp32")
+
+
+def _restore_rows(wc: torch.Tensor, d: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                  offset: int) -> None:
+    """wc (rows of the merged weight starting at flat `offset`) <- round(wc - d), then the misses."""
+    wc.copy_(wc.to(torch.float32, copy=True).sub_(d))
+    if index.numel():
+        wc.view(-1)[index - offset] = values
+
+
+def _misses(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices where the bits of `a` and `b` (same shape, contiguous) differ, and `b`'s
+    values there. On the CPU through numpy (its flatnonzero is several times torch's nonzero)."""
+    if a.device.type == "cpu":
+        an, bn = _bits(a).reshape(-1).numpy(), _bits(b).reshape(-1).numpy()
+        idx = np.flatnonzero(an != bn)
+        return torch.from_numpy(idx), torch.from_numpy(bn[idx]).view(b.dtype)
+    flat = (_bits(a) != _bits(b)).view(-1).nonzero().squeeze(1)
+    return flat, b.reshape(-1)[flat]
+
+
 @torch.no_grad()
 def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RestoreRecord:
-    """Fold the delta into `weight` in place; return what restores it bit for bit."""
+                 chunk_bytes: int | None = None, known_fingerprint: tuple[int, int] | None = None) -> RestoreRecord:
+    """Fold the delta into `weight` in place; return what restores it bit for bit.
+
+    One pass over row chunks: the delta is computed once per chunk, checked finite,
+    the restore simulated (misses recorded), then the chunk written. A failure part-way
+    (a non-finite value, an interrupt) restores the chunks already written bit for bit
+    before it propagates, so no weight is left modified. `known_fingerprint`: the
+    weight's fingerprint when the caller has just verified it (skips one read).
+    """
     if weight.dtype not in _INT_VIEW:
         raise TypeError(f"{what}: cannot merge into dtype {weight.dtype}")
     w = weight.detach()
     rows, cols = w.shape
-    fp = fingerprint(w)
-    idx_parts, val_parts = [], []
-    # pass 1: check and record; nothing is written
-    for sl in row_chunks(rows, cols, chunk_bytes):
-        wc = w[sl]
-        d = delta_rows(sl)
-        new = (wc.float() + d).to(w.dtype)
-        bad = ~torch.isfinite(new) & torch.isfinite(wc)
-        if bad.any():
-            r, c = (bad.nonzero()[0] + torch.tensor([sl.start, 0], device=bad.device)).tolist()
-            raise NonFiniteMergeError(
-                f"{what}: merging would write a non-finite value at [{r}, {c}]; no weight was changed. "
-                "The adapter's update at this strength does not fit this weight dtype (dynamic mode would give "
-                "inf/NaN too): lower the strength, or load the model in bf16/fp32"
-            )
-        miss = _bits((new.float() - d).to(w.dtype)) != _bits(wc)
-        if miss.any():
-            flat = miss.reshape(-1).nonzero().squeeze(1) + sl.start * cols
-            idx_parts.append(flat)
-            val_parts.append(wc.reshape(-1)[flat - sl.start * cols].clone())
-    n_miss = sum(p.numel() for p in idx_parts)
+    chunk_bytes = chunk_bytes or chunk_bytes_for(w.device)
+    fp = known_fingerprint if known_fingerprint is not None else fingerprint(w)
     idx_dtype = torch.int32 if w.numel() < 2**31 else torch.int64
-    sparse_bytes = n_miss * (torch.tensor([], dtype=idx_dtype).element_size() + w.element_size())
-    if sparse_bytes < w.numel() * w.element_size():
-        index = torch.cat(idx_parts).to(idx_dtype) if idx_parts else torch.empty(0, dtype=idx_dtype, device=w.device)
-        values = torch.cat(val_parts) if val_parts else torch.empty(0, dtype=w.dtype, device=w.device)
-        record = RestoreRecord("sparse", tuple(w.shape), w.dtype, fp, index=index, values=values)
-    else:
-        record = RestoreRecord("full", tuple(w.shape), w.dtype, fp, full=w.clone())
-    # pass 2: write
-    for sl in row_chunks(rows, cols, chunk_bytes):
-        w[sl] = (w[sl].float() + delta_rows(sl)).to(w.dtype)
-    return record
+    full_bytes = w.numel() * w.element_size()
+    per_miss = torch.empty(0, dtype=idx_dtype).element_size() + w.element_size()
+    idx_parts: list[torch.Tensor] = []
+    val_parts: list[torch.Tensor] = []
+    n_miss = 0
+    full: torch.Tensor | None = None           # the original, once a copy is smaller than the misses
+    written: list[tuple[slice, torch.Tensor, torch.Tensor]] = []   # (rows, misses' flat index, values)
+    try:
+        for sl in row_chunks(rows, cols, chunk_bytes):
+            wc = w[sl]
+            d = delta_rows(sl)
+            new = wc.to(torch.float32, copy=True).add_(d).to(w.dtype)
+            back = new.to(torch.float32, copy=True).sub_(d).to(w.dtype)   # what a restore will compute
+            flat, vals = _misses(back, wc)
+            if flat.numel():  # a non-finite result never restores to a finite original: it is a miss
+                nv = new.reshape(-1)[flat.to(new.device)]
+                bad = ~torch.isfinite(nv) & torch.isfinite(vals)
+                if bad.any():
+                    i = int(flat[bad.nonzero()[0, 0]])
+                    raise _non_finite_error(what, sl.start + i // cols, i % cols)
+            offset = sl.start * cols
+            flat = flat.to(w.device) + offset
+            if full is None:
+                n_miss += flat.numel()
+                if n_miss * per_miss >= full_bytes:  # a copy is smaller: rebuild the original of what is written
+                    full = torch.empty_like(w)
+                    for wsl, widx, wvals in written:
+                        full[wsl] = w[wsl]
+                        _restore_rows(full[wsl], delta_rows(wsl), widx, wvals, wsl.start * cols)
+                    idx_parts, val_parts = [], []
+                else:
+                    idx_parts.append(flat)
+                    val_parts.append(vals)
+            if full is not None:
+                full[sl] = wc
+            written.append((sl, flat, vals))
+            wc.copy_(new)
+    except BaseException:
+        for wsl, widx, wvals in written:  # put back what was written, bit for bit
+            _restore_rows(w[wsl], delta_rows(wsl), widx, wvals, wsl.start * cols)
+        raise
+    if full is not None:
+        return RestoreRecord("full", tuple(w.shape), w.dtype, fp, full=full)
+    index = torch.cat(idx_parts).to(idx_dtype) if idx_parts else torch.empty(0, dtype=idx_dtype, device=w.device)
+    values = torch.cat(val_parts) if val_parts else torch.empty(0, dtype=w.dtype, device=w.device)
+    return RestoreRecord("sparse", tuple(w.shape), w.dtype, fp, index=index, values=values)
 
 
 @torch.no_grad()
 def restore_weight(weight: torch.Tensor, record: RestoreRecord, delta_rows: DeltaRows, *, what: str,
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Undo `merge_weight` bit for bit (never by subtracting alone)."""
+                   chunk_bytes: int | None = None) -> tuple[int, int]:
+    """Undo `merge_weight` bit for bit (never by subtracting alone); returns the verified
+    fingerprint of the restored weight."""
     w = weight.detach()
     if w.dtype != record.dtype or tuple(w.shape) != record.shape:
         raise RestoreError(
@@ -145,15 +265,23 @@ def restore_weight(weight: torch.Tensor, record: RestoreRecord, delta_rows: Delt
         w.copy_(record.full)
     else:
         rows, cols = w.shape
-        for sl in row_chunks(rows, cols, chunk_bytes):
-            w[sl] = (w[sl].float() - delta_rows(sl)).to(w.dtype)
-        if record.index.numel():  # the weight may have moved device since the merge (ComfyUI offload)
-            w.view(-1)[record.index.to(w.device).long()] = record.values.to(w.device)
-    if fingerprint(w) != record.fingerprint:
+        chunks = list(row_chunks(rows, cols, chunk_bytes or chunk_bytes_for(w.device)))
+        # the weight may have moved device since the merge (ComfyUI offload)
+        index = record.index.to(w.device).long()
+        values = record.values.to(w.device)
+        starts = torch.tensor([sl.start * cols for sl in chunks] + [rows * cols], dtype=torch.int64,
+                              device=index.device)
+        bounds = torch.searchsorted(index, starts).tolist()
+        for k, sl in enumerate(chunks):
+            a, b = bounds[k], bounds[k + 1]
+            _restore_rows(w[sl], delta_rows(sl), index[a:b], values[a:b], sl.start * cols)
+    fp = fingerprint(w)
+    if fp != record.fingerprint:
         raise RestoreError(
             f"{what}: the restored weight does not match the original fingerprint "
             "(the delta was not recomputed identically). Reload the model; please report this"
         )
+    return fp
 
 
 @torch.no_grad()

@@ -99,6 +99,15 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+def _identity(w: torch.Tensor) -> tuple:
+    """Storage, layout and in-place write count of a weight (None for the count of an
+    inference tensor, which keeps none): equal only if nothing replaced it or wrote into it
+    through torch since. Used between a restore and the merge that follows it in one state
+    transition, where nothing else runs."""
+    version = None if w.is_inference() else w._version
+    return (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), w.device, version)
+
+
 ATTR = "_lora_runtime"
 
 
@@ -133,6 +142,7 @@ class LoraLinear(nn.Module):
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
+        self._verified: tuple | None = None   # (fingerprint, weight identity) right after a restore
         self._stack_cache: dict = {}
         self._plan_cache: tuple | None = None
 
@@ -311,13 +321,18 @@ class LoraLinear(nn.Module):
         times each slot's strength. Slots whose delta depends on the weight (DoRA) use the
         delta frozen at merge time while merged, so a restore subtracts what was added."""
         w = self.weight2d
-        out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
-        for s in self._weight_slots() if slots is None else slots:
+        slots = self._weight_slots() if slots is None else slots
+        out = None
+        for s in slots:
             if s.frozen_delta is not None:
-                out += s.frozen_delta[rows]
+                d = s.frozen_delta[rows]
+                out = d.clone() if out is None else out.add_(d)  # never write into the frozen delta
                 continue
             d = s.update.delta(w.device, torch.float32, rows, weight=w if s.update.needs_weight else None)
-            out += times(d, s.strength, inplace=True)
+            d = times(d, s.strength, inplace=True)
+            out = d if out is None else out.add_(d)
+        if out is None:
+            out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
         return out
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
@@ -339,8 +354,11 @@ class LoraLinear(nn.Module):
         for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
             if s.update.needs_weight:
                 s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
+        known, self._verified = self._verified, None
+        known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
-            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name,
+                                         known_fingerprint=known_fp)
         except BaseException:
             for s in slots:
                 s.frozen_delta = None
@@ -350,17 +368,25 @@ class LoraLinear(nn.Module):
         self._merged_names = tuple(s.name for s in slots)
         self._weight_changed()
 
-    def unmerge(self) -> None:
+    def unmerge(self, remember: bool = False) -> None:
+        """Restore the weight bit for bit (fingerprint-checked). `remember`: keep the verified
+        fingerprint for the next `merge` of the same, untouched weight (a swap inside one
+        state transition; the caller drops it with `forget_verified` when the transition ends)."""
         if not self.merged:
             return
         slots = [self.slots[n] for n in self._merged_names]
-        restore_weight(self.weight2d, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        w = self.weight2d
+        fp = restore_weight(w, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
         for s in slots:
             s.merged = False
             s.frozen_delta = None
         self._restore = None
         self._merged_names = ()
         self._weight_changed()
+        self._verified = (fp, _identity(w)) if remember else None
+
+    def forget_verified(self) -> None:
+        self._verified = None
 
     @property
     def restore_bytes(self) -> int:
