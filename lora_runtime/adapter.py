@@ -290,6 +290,11 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         if slot:
             slots.add(slot)
         formats.add(_format_of(key, part))
+        if part == "alpha" and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            t = t.to(torch.float64)  # an integer alpha (some trainers write int64), read as ComfyUI's .item() does
+        if t.numel() == 0:
+            raise AdapterFormatError(f"{p.name}: tensor {key!r} is empty (shape {tuple(t.shape)}): a rank-0 layer "
+                                     "holds no update. Re-export the adapter without it")
         if not t.is_floating_point():
             raise AdapterFormatError(f"{p.name}: tensor {key!r} has dtype {t.dtype}; LoRA tensors must be floating point")
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
