@@ -52,7 +52,8 @@ def text(r: dict) -> str:
     share = dec.get("share_lost")
     lines = [
         f"LoRA runtime ({r['host']} host): tier {r['tier']}, mode {r['mode_requested']} -> "
-        f"{dec.get('chosen', 'no adapter')}" + (f" (a merge would lose {share:.1%})" if share is not None else ""),
+        f"{dec['reason'] if dec.get('chosen') == 'off' else dec.get('chosen', 'no adapter')}"
+        + (f" (a merge would lose {share:.1%})" if share is not None else ""),
     ]
     if dec.get("kept_dynamic"):
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
@@ -64,7 +65,8 @@ def text(r: dict) -> str:
                      + (", " + ", ".join(f"{n} {k}" for k, n in sorted(c["kinds"].items()))
                         if set(c.get("kinds") or {}) - {"lora"} else "")
                      + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
-                     + (f"; {ad['chosen']}" if ad.get("chosen") else "")
+                     + (f"; {ad.get('reason') if ad.get('chosen') == 'off' else ad['chosen']}" if ad.get("chosen")
+                        else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
         if a.get("schedule") or a.get("branch"):
             lines.append("    " + "; ".join(x for x in (a.get("schedule"), a.get("branch") and f"{a['branch']} branch",

@@ -167,6 +167,8 @@ export const formatDecision = safe(
       if (requested === "merge") text = "merged (requested)";
       else if (share !== null) text = `merged (${share} lost)`;
       else text = "merged";
+    } else if (chosen === "off") {
+      text = reason || "off (strength 0)";
     } else {
       text = chosen ? `applied: ${chosen}` : "applied";
     }
@@ -311,6 +313,9 @@ export const formatReport = safe(
       let level = cov.level;
       if (ad.enabled === false) {
         text = `${label}: disabled`;
+        level = "info";
+      } else if (isObj(ad.decision) && ad.decision.chosen === "off") {
+        text = `${label}: ${str(ad.decision.reason) || "off (strength 0)"}`;
         level = "info";
       }
       const path = str(ad.path);

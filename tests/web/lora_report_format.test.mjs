@@ -116,6 +116,16 @@ test("missing fields (older reports) degrade instead of failing", () => {
   assert.deepEqual(fmt.formatReport(undefined), []);
 });
 
+test("strength 0: the decision and the adapter say off (strength 0), not dynamic", () => {
+  const r = { decision: { requested: "auto", chosen: "off", share_lost: null, reason: "off (strength 0)",
+    adapters: [{ name: "a.safetensors", chosen: "off", share_lost: null, reason: "off (strength 0)" }] },
+  adapters: [{ name: "a.safetensors", strength: 0, coverage: { adapter: "a.safetensors", matched: 4, file_layers: 4,
+    unmatched: 0 }, decision: { name: "a.safetensors", chosen: "off", share_lost: null, reason: "off (strength 0)" } }] };
+  const items = fmt.formatReport(r);
+  assert.equal(items[0].text, "off (strength 0)");
+  assert.equal(items.find((i) => i.key === "adapter:0").text, "a.safetensors ×0.0: off (strength 0)");
+});
+
 test("garbage input never throws", () => {
   const cyclic = {};
   cyclic.self = cyclic;
