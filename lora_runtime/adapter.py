@@ -24,7 +24,7 @@ from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from .param_delta import ParamDelta
-from . import scale_sources, variants
+from . import param_names, scale_sources, variants
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
@@ -436,6 +436,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     params = dict(model.named_parameters())
     linears = linear_modules(model)
     resolved = dialects.resolve_all(list(adapter.layers), all_modules)
+    param_names.redirect_modulation(adapter.layers, resolved, all_modules)  # LightX2V blocks.N.diff_m
     targets: dict = {}
     slices: dict[str, list] = {}
     unmatched: dict[str, str] = dict(adapter.ignored_keys)
