@@ -24,7 +24,7 @@ from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from .param_delta import ParamDelta
-from . import param_names, scale_sources, variants
+from . import param_names, scale_sources, text_encoder_keys, variants
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ class LoraAdapter:
     ignored_keys: dict[str, str] = field(default_factory=dict)  # key -> why
     scale_source: str = ""                                      # where the layers' alphas came from
     notes: list[str] = field(default_factory=list)              # facts the user should see on the report
+    text_encoder: dict[str, LayerAdapter] = field(default_factory=dict)  # text-encoder layers (not the model's)
 
 
 @dataclass
@@ -184,6 +185,9 @@ class CoverageReport:
     keys_total: int = 0                 # tensors in the file
     keys_applied: int = 0               # tensors whose update is applied
     kinds: dict[str, int] = field(default_factory=dict)   # variant kind -> targets
+    unmatched_tensors: int = 0          # tensors of the unmatched layers and keys
+    text_encoder_layers: int = 0        # text-encoder layers of the file (a model-only loader leaves them)
+    text_encoder_tensors: int = 0
 
     def __post_init__(self):
         if self.applied_layers < 0:
@@ -201,8 +205,15 @@ class CoverageReport:
         if self.keys_total:
             s += f", {self.keys_applied}/{self.keys_total} keys applied"
         if self.unmatched:
-            s += f"; {len(self.unmatched)} not loaded, e.g. " + ", ".join(self.examples(3))
+            s += f"; {self.unmatched_text()} not loaded, e.g. " + ", ".join(self.examples(3))
+        if self.text_encoder_layers:
+            s += (f"; {self.text_encoder_layers} text-encoder layers ({self.text_encoder_tensors} tensors) not "
+                  "applied: this node patches the model only")
         return s
+
+    def unmatched_text(self) -> str:
+        """'N layers or keys (M tensors)': layers and tensors counted separately."""
+        return f"{len(self.unmatched)} layers or keys ({self.unmatched_tensors} tensors)"
 
     def to_dict(self) -> dict:
         return {
@@ -216,7 +227,10 @@ class CoverageReport:
             "keys_total": self.keys_total,
             "kinds": dict(self.kinds),
             "unmatched": len(self.unmatched),
+            "unmatched_tensors": self.unmatched_tensors,
             "unmatched_examples": self.examples(20),
+            "text_encoder_layers": self.text_encoder_layers,
+            "text_encoder_tensors": self.text_encoder_tensors,
             "scale_source": self.scale_source,
             "notes": list(self.notes),
         }
@@ -252,15 +266,28 @@ def _check_header(p: Path) -> str:
     names = [k for k in header if k != "__metadata__"]
     if not names:
         return f"{p.name} holds no tensors; it is not a LoRA adapter"
-    if not any(split_key(k) is not None for k in names):
+    stems = [parts[0] for parts in map(split_key, names) if parts is not None]
+    if not stems:
         return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
                 f"supported: {_SUPPORTED}")
+    if all(text_encoder_keys.is_text_encoder(s) for s in stems):
+        te = {}
+        for k in names:
+            parts = split_key(k)
+            if parts is not None:
+                te.setdefault(parts[0], _Keys()).keys.append(k)
+        return text_encoder_keys.only_text_encoder_message(p.name, te)
     meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     try:
         scale_sources.find_config(p, meta)
     except LoraRuntimeError as e:
         return str(e)
     return ""
+
+
+class _Keys:  # the keys of one stem, for counting before the tensors are read
+    def __init__(self):
+        self.keys: list[str] = []
 
 
 _SUPPORTED = ("lora_down/lora_up, lora_A/lora_B, LoHa (hada_*), LoKr (lokr_*), DoRA (dora_scale / "
@@ -338,17 +365,19 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         if la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full):
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
+    te_layers = text_encoder_keys.split(layers)
     if any(isinstance(la.variant, variants.DoRA) and la.variant.axis == "out" for la in layers.values()):
         notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
                      "ComfyUI's LoraLoader divides by ||W|| instead, so its images differ from these")
-    if not layers:
+    if not layers and not te_layers:
         raise AdapterFormatError(
             f"{p.name} has no adapter weights this loader understands (e.g. {list(tensors)[:3]}); "
             f"supported: {_SUPPORTED}"
         )
     fmt = "+".join(sorted(formats - {"other"})) or "unknown"
     source, more = scale_sources.describe(counts, cfg, meta)
-    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more)
+    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more,
+                       text_encoder=te_layers)
 
 
 def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:
@@ -432,6 +461,8 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     the rest is applied and the skipped keys are listed on the report). A file of which
     fewer than half the layers match, or none, is an adapter for another model: always
     an error, naming the family its keys look like."""
+    if not adapter.layers and adapter.text_encoder:
+        raise AdapterMatchError(text_encoder_keys.only_text_encoder_message(adapter.name, adapter.text_encoder))
     all_modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     linears = linear_modules(model)
@@ -505,14 +536,20 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     for t in targets.values():
         k = t.kind if isinstance(t, LayerAdapter) else "param"
         kinds[k] = kinds.get(k, 0) + 1
-    keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys)
+    te_layers, te_tensors = text_encoder_keys.counts(adapter.text_encoder)
+    keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys) + te_tensors
+    unmatched_tensors = sum(len(adapter.layers[k].keys) if k in adapter.layers else 1 for k in unmatched)
     keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
     fmt = dialects.dialect_name(list(adapter.layers), all_modules)
     if adapter.format not in ("", "unknown"):
         fmt = f"{fmt} ({adapter.format} keys)"
     report = CoverageReport(adapter.name, fmt, sorted(targets), unmatched, len(linears), len(adapter.layers),
                             adapter.scale_source, list(adapter.notes), applied_layers=len(applied_stems),
-                            keys_total=keys_total, keys_applied=keys_applied, kinds=kinds)
+                            keys_total=keys_total, keys_applied=keys_applied, kinds=kinds,
+                            unmatched_tensors=unmatched_tensors, text_encoder_layers=te_layers,
+                            text_encoder_tensors=te_tensors)
+    if te_layers:
+        report.notes.append(text_encoder_keys.note(adapter.text_encoder))
     family = guess_family(adapter.layers)
     looks = f"; its keys look like an adapter for {family}" if family else ""
     if not applied_stems:
@@ -526,7 +563,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
             "model; pick the one made for this model.")
     if report.unmatched and not lenient:
         raise AdapterMatchError(
-            f"{adapter.name}: {len(report.unmatched)} of its keys would not be applied: "
+            f"{adapter.name}: {report.unmatched_text()} would not be applied: "
             f"{', '.join(report.examples(5))}. Nothing is dropped silently: use the matching adapter, or set "
             "'unmatched keys' to 'skip and report' on the Load LoRA Adapter node to apply the rest.")
     if log_coverage:  # the loader node checks first and says nothing; the run logs it once
