@@ -24,7 +24,7 @@ from .errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from .param_delta import ParamDelta
-from . import param_names, scale_sources, text_encoder_keys, variants
+from . import conv_tucker, param_names, scale_sources, text_encoder_keys, variants
 from .safetensors_file import load_safetensors, read_header
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ class LayerAdapter:
 
     def _matrix_parts(self) -> dict:
         """Parts for `variants.detect`, conv (LoCon) factors flattened to matrices."""
-        out = dict(self.parts)
-        if "lora_mid.weight" in out and "down" in out:
-            out["down"] = _fold_tucker_mid(out.pop("lora_mid.weight"), out["down"], self.stem)
+        out, kernel = conv_tucker.fold(self.parts, self.stem)   # Tucker cores -> matrix factors
+        if kernel:
+            self.kernel = kernel
         down, up, diff = out.get("down"), out.get("up"), out.get("diff")
         if down is not None and down.dim() > 2:
             self.kernel = tuple(int(k) for k in down.shape[2:])
@@ -157,22 +157,6 @@ class LayerAdapter:
 
     def __repr__(self) -> str:
         return f"LayerAdapter({self.stem!r}, {self.variant!r})"
-
-
-def _fold_tucker_mid(mid: torch.Tensor, down: torch.Tensor, stem: str) -> torch.Tensor:
-    """LoCon with a Tucker core (``lora_mid``): delta[i, j, k...] = sum_mn up[i, m] mid[m, n, k...]
-    down[n, j] (ComfyUI, LyCORIS). Folding the core into the down factor,
-    down'[m, j, k...] = sum_n mid[m, n, k...] down[n, j], gives a plain LoCon of the same rank
-    (the scale's rank, rows of down, is unchanged). Computed in fp32 (fp64 if given) and kept so."""
-    if down.dim() > 2 and any(k != 1 for k in down.shape[2:]):
-        raise AdapterFormatError(f"{stem}: lora_mid with a {tuple(down.shape[2:])} down kernel; a Tucker LoCon has "
-                                 "a 1x1 down convolution")
-    d = down.reshape(down.shape[0], down.shape[1])
-    if mid.dim() < 2 or mid.shape[1] != d.shape[0]:
-        raise AdapterFormatError(f"{stem}: lora_mid {tuple(mid.shape)} does not fit lora_down {tuple(down.shape)} "
-                                 f"(it must be [rank, {d.shape[0]}, kernel...])")
-    ct = torch.float64 if torch.float64 in (mid.dtype, down.dtype) else torch.float32
-    return torch.einsum("mn...,nj->mj...", mid.to(ct), d.to(ct)).contiguous()
 
 
 @dataclass
