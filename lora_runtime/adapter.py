@@ -390,13 +390,13 @@ def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float |
     if not lowrank and not any(k.startswith(("hada_", "lokr_")) for k in parts):
         return None, "", False
     if cfg is not None and lowrank:
-        a = scale_sources.pattern_value(stem, cfg.alpha_pattern)
+        a = scale_sources.pattern_value(stem, cfg.alpha_pattern, cfg)
         alpha = a if a is not None else cfg.lora_alpha
         source = (f"{cfg.source} alpha_pattern" if a is not None else
                   f"{cfg.source} lora_alpha={cfg.lora_alpha:g}" if cfg.lora_alpha is not None else
                   "none: alpha = rank (scale 1.0)")
         rank = int(parts["down"].shape[0])
-        want_r = scale_sources.pattern_value(stem, cfg.rank_pattern) or cfg.r
+        want_r = scale_sources.pattern_value(stem, cfg.rank_pattern, cfg) or cfg.r
         if want_r is not None and want_r != rank:
             notes.append(f"{stem}: the config says rank {want_r}, the tensors have rank {rank}; "
                          "the tensors' rank is used")

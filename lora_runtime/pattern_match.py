@@ -14,7 +14,8 @@ not), alternation, greedy and lazy quantifiers (laziness changes no yes/no answe
 ``^`` and ``$``. Refused with `PatternError` naming the key: back-references,
 look-around, atomic groups / possessive quantifiers, inline flags such as ``(?i)``,
 word boundaries, and keys whose automaton would exceed `MAX_STATES` states (a counted
-repeat such as ``x{1000}`` nested in another).
+repeat such as ``x{1000}`` nested in another). The work of all the matches of one config
+is also bounded (`Budget`): beyond it the key that spent it is refused.
 """
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ _CHAR, _SPLIT, _BEGIN, _END, _MATCH = range(5)
 
 class PatternError(ValueError):
     """A pattern key outside the supported subset, or not a valid regular expression."""
+
+
+MAX_WORK = 50_000_000   # automaton state visits for all the matches of one config
+
+
+class Budget:
+    """Automaton steps left for the matches of one config."""
+
+    def __init__(self, steps: int = MAX_WORK):
+        self.left = steps
+
+    def spend(self, n: int, key: str) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise PatternError(f"matching it against the adapter's layers takes more than {MAX_WORK} automaton "
+                               "steps; use a simpler pattern")
 
 
 def _category(cat) -> callable:
@@ -232,7 +249,7 @@ class Pattern:
                 if pos == n:
                     stack.extend(out[s])
 
-    def matches(self, path: str) -> bool:
+    def matches(self, path: str, budget: Budget | None = None) -> bool:
         """PEFT's rule: the key matches the whole path, or a suffix of it right after a dot."""
         if self._fast is not None:
             return self._fast(path) is not None
@@ -247,6 +264,8 @@ class Pattern:
             current = set()
             if seeds:
                 self._closure(seeds, i + 1, n, current)
+                if budget is not None:
+                    budget.spend(len(seeds) + len(current), self.key)
         return any(kind[s] == _MATCH for s in current)
 
     def __repr__(self) -> str:
@@ -266,9 +285,14 @@ def compile_key(key: str) -> Pattern:
     return Pattern(key)
 
 
-def first_match(patterns: list[tuple[Pattern, object]], path: str):
-    """The value of the first pattern (in order) that matches the path, or None."""
+def first_match(patterns: list[tuple[Pattern, object]], path: str, budget: Budget | None = None):
+    """The value of the first pattern (in order) that matches the path, or None. Raises
+    `PatternError` (with ``.key``) when `budget` runs out."""
     for pat, value in patterns:
-        if pat.matches(path):
-            return value
+        try:
+            if pat.matches(path, budget):
+                return value
+        except PatternError as e:
+            e.key = pat.key
+            raise
     return None

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import AdapterFormatError
-from .pattern_match import Pattern, PatternError, first_match
+from .pattern_match import Budget, Pattern, PatternError, first_match
 
 _HEADER_KEYS = ("lora_adapter_metadata", "adapter_config", "peft_config")
 _COMPONENTS = ("transformer", "unet", "diffusion_model")
@@ -53,6 +53,8 @@ class ScaleConfig:
     alpha_pattern: list[tuple[Pattern, float]] = field(default_factory=list)   # in the config's order
     rank_pattern: list[tuple[Pattern, int]] = field(default_factory=list)
     use_rslora: bool = False
+    file: str = ""                               # the adapter file's name, for errors
+    budget: Budget = field(default_factory=Budget, repr=False)   # pattern matching work left
 
 
 def _number(what: str, value, fname: str) -> float:
@@ -126,7 +128,7 @@ def _unnest(cfg: dict) -> dict:
 def _parse(cfg: dict, source: str, fname: str) -> ScaleConfig:
     cfg = _unnest(cfg)
     alpha = cfg.get("lora_alpha", cfg.get("alpha"))
-    out = ScaleConfig(source=source)
+    out = ScaleConfig(source=source, file=fname)
     if alpha is not None:
         out.lora_alpha = _number("lora_alpha", alpha, fname)
     if cfg.get("r") is not None:
@@ -168,9 +170,14 @@ def find_config(path: Path, meta: dict[str, str]) -> ScaleConfig | None:
     return None
 
 
-def pattern_value(stem: str, pattern: list):
-    """The value of the first pattern entry matching a module path (PEFT's rule, bounded cost)."""
-    return first_match(pattern, stem)
+def pattern_value(stem: str, pattern: list, cfg: ScaleConfig | None = None):
+    """The value of the first pattern entry matching a module path (PEFT's rule, bounded
+    cost: the matches of one config share `cfg.budget`; beyond it, an error naming the key)."""
+    try:
+        return first_match(pattern, stem, cfg.budget if cfg is not None else None)
+    except PatternError as e:
+        where = cfg.file if cfg is not None else "adapter config"
+        raise AdapterFormatError(f"{where}: pattern key {getattr(e, 'key', '?')!r}: {e}") from None
 
 
 def describe(counts: dict[str, int], cfg: ScaleConfig | None, meta: dict[str, str]) -> tuple[str, list[str]]:

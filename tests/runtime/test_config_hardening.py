@@ -206,3 +206,20 @@ def test_a_boolean_alpha_tensor_is_refused(model, pairs, tmp_path):
     p = tmp_path / "bool_alpha.safetensors"
     save_file(sd, str(p))
     _refused(model, p, "diffusion_model.blocks.0.ffn.0.alpha")
+
+
+def test_the_matching_work_of_one_config_is_bounded(tmp_path, monkeypatch):
+    """Keys within the supported subset still cost (path length x automaton states) each; the
+    total for one file is capped and the key that ran over it is named."""
+    from comfyui_lora_runtime.lora_runtime import load_adapter, pattern_match
+    monkeypatch.setattr(pattern_match, "MAX_WORK", 2_000)
+    monkeypatch.setattr(pattern_match.Budget.__init__, "__defaults__", (2_000,))
+    sd = {}
+    for i in range(20):
+        stem = f"base_model.model.blocks.{i}.ffn.{'a' * 30}"
+        sd[stem + ".lora_A.weight"], sd[stem + ".lora_B.weight"] = torch.ones(2, 4), torch.ones(4, 2)
+    p = tmp_path / "costly.safetensors"
+    save_file(sd, str(p), metadata={"adapter_config": json.dumps(
+        {"r": 2, "lora_alpha": 2, "alpha_pattern": {"(a|aa)*c": 1}})})
+    with pytest.raises(AdapterFormatError, match=r"costly.safetensors: pattern key '\(a\|aa\)\*c'.*automaton steps"):
+        load_adapter(p)
