@@ -46,6 +46,8 @@ class AdapterSpec:
     # strength over the steps and per CFG branch (see `schedule`): dynamic path only
     schedule: Schedule | None = None
     branch: str = Branch.BOTH.value
+    # the content a loader already read (a sampler then uses exactly that); '' = the file as it is
+    content_hash: str = ""
 
     @property
     def varies(self) -> str:
@@ -95,7 +97,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
             # runs through the scheduled path, where a unit factor is never multiplied
             spec = replace(spec, strength=check_strength(spec.strength * c, what=(
                 f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
-        adapter = loader(spec.path)
+        adapter = loader(spec.path, content_hash=spec.content_hash) if spec.content_hash else loader(spec.path)
         name = spec.name or adapter.name
         base, k = name, 2
         while name in used:

@@ -25,11 +25,12 @@ class AdapterIntent:
     lenient: bool = False  # "skip and report" keys that match nothing, instead of failing
     schedule: str = ""     # strength_schedule as typed (validated by the node; see lora_runtime.schedule)
     branch: str = "both"   # which CFG branch the adapter applies to
+    content_hash: str = "" # the content the node read: the sampler uses that, not whatever the file holds later
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient,
                            schedule=parse_schedule(self.schedule, where=f"Load LoRA Adapter ({self.name})"),
-                           branch=self.branch)
+                           branch=self.branch, content_hash=self.content_hash)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ class LoadLoraAdapter:
         _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
                                     log_coverage=False)  # no match raises here
         entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
-                                     lenient, schedule.text if schedule is not None else "", branch)
+                                     lenient, schedule.text if schedule is not None else "", branch,
+                                     adapter.content_hash)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
 

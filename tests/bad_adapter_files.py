@@ -20,7 +20,21 @@ EXPECTED = {
     "rslora_text.safetensors": "use_rslora = 'maybe' is not a boolean",
     "deep_config.safetensors": "nested too deeply",
     "te_only.safetensors": "only text-encoder weights",
+    "meta_list.safetensors": "'__metadata__' must map names to strings",
+    "meta_number.safetensors": "value for 'ss_network_alpha' is a int",
+    "deep_json.safetensors": "nests JSON too deep",
+    "bad_dtype.safetensors": "dtype 'F128'",
+    "bad_shape.safetensors": "needs 32 bytes, its offsets span 16",
+    "bad_offsets.safetensors": "data_offsets",
+    "overlap.safetensors": "overlap in the file",
 }
+
+
+def _raw(header: dict | bytes, data: bytes) -> bytes:
+    """A safetensors file written by hand (a header the safetensors library would refuse to write)."""
+    hdr = header if isinstance(header, bytes) else json.dumps(header).encode()
+    hdr += b" " * ((-len(hdr)) % 8)
+    return struct.pack("<Q", len(hdr)) + hdr + data
 
 
 def write_bad_files(loras, prefix: str = "") -> None:
@@ -45,3 +59,16 @@ def write_bad_files(loras, prefix: str = "") -> None:
     save_file({"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 8),
                "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 2)},
               str(loras / f"{prefix}te_only.safetensors"))
+    down = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    up = {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}
+    pair = {"a.lora_down.weight": down, "a.lora_up.weight": up}
+    for name, header, data in (
+        ("meta_list", {"__metadata__": ["ss_network_alpha", "4"], **pair}, bytes(32)),
+        ("meta_number", {"__metadata__": {"ss_network_alpha": 4}, **pair}, bytes(32)),
+        ("deep_json", b'{"__metadata__": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", b""),
+        ("bad_dtype", {"a.lora_down.weight": {**down, "dtype": "F128"}, "a.lora_up.weight": up}, bytes(32)),
+        ("bad_shape", {"a.lora_down.weight": {**down, "shape": [2, 4]}, "a.lora_up.weight": up}, bytes(32)),
+        ("bad_offsets", {"a.lora_down.weight": {**down, "data_offsets": [16, 0]}, "a.lora_up.weight": up}, bytes(32)),
+        ("overlap", {"a.lora_down.weight": down, "a.lora_up.weight": {**up, "data_offsets": [8, 24]}}, bytes(32)),
+    ):
+        (loras / f"{prefix}{name}.safetensors").write_bytes(_raw(header, data))
