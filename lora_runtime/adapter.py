@@ -364,7 +364,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                                      "that supports this type") from None
         except AdapterFormatError as e:
             raise AdapterFormatError(f"{p.name}: {e}") from None
-        if la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full):
+        if (la.variant is not None and la.variant.has_weight_delta and not isinstance(la.variant, variants.Full)
+                and not text_encoder_keys.is_text_encoder(stem)):  # the scale source line counts model layers
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
     te_layers = text_encoder_keys.split(layers)

@@ -59,6 +59,7 @@ def test_the_model_part_is_applied_and_the_text_encoder_part_reported(model, tmp
     assert d["file_layers"] == len(pairs) and d["keys_total"] == 3 * len(pairs) + 16
     assert "6 text-encoder layers (16 tensors) not applied: this node patches the model only" in d["notes"]
     assert "no such layer" not in cov.summary() and "6 text-encoder layers (16 tensors)" in cov.summary()
+    assert d["scale_source"] == f"per-layer .alpha tensors ({len(pairs)} layers)", d["scale_source"]  # model layers
 
 
 def test_a_file_with_only_text_encoder_keys_is_refused_saying_so(model, tmp_path):
