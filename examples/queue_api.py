@@ -87,7 +87,7 @@ def report_lines(node_id: str, rep: dict) -> list[str]:
         c = a.get("coverage") or {}
         ad = a.get("decision") or {}
         lines.append(f"  {a.get('name')} x{a.get('strength')}: {c.get('matched', '?')}/{c.get('file_layers', '?')} "
-                     "layers" + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
+                     "layers" + (f", {c['unmatched']} layers or keys not loaded" if c.get("unmatched") else "")
                      + (f"; {ad['chosen']}" if ad.get("chosen") else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
     return lines

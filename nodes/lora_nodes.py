@@ -65,25 +65,22 @@ class LoadLoraAdapter:
     DESCRIPTION = "Adds a LoRA adapter to the model. Chain several to stack adapters."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, lora_name, strength_schedule="", branch=BRANCH_CHOICES[0]):
+    def VALIDATE_INPUTS(cls, lora_name):
         # Checked when the prompt is queued (ComfyUI answers HTTP 400 with node_errors):
         # the name, and everything the file's header tells (not safetensors / pickle,
-        # truncated, no LoRA key, a non-finite alpha in its metadata). Layers matched
-        # against the model are checked when the node runs: ComfyUI does not hand a
-        # linked input (the MODEL) to validation.
+        # truncated, no LoRA key, a malformed config). ComfyUI attaches this function's
+        # answer to every input it declares, so it declares only lora_name: a bad file is
+        # one error, on lora_name. The host checks branch (a list) and strength (min/max)
+        # itself, on their own inputs; the schedule's form is checked when this node runs
+        # (its length against the steps when sampling starts), naming strength_schedule.
+        # Layers matched against the model are checked when the node runs too: ComfyUI
+        # does not hand a linked input (the MODEL) to validation.
         try:
             path = host.resolve_lora(lora_name)
         except (ValueError, FileNotFoundError) as e:
             return str(e)
         problem = check_adapter_file(path)
-        if problem:
-            return problem
-        try:  # the schedule's own form (its length against the steps is checked when sampling starts)
-            parse_schedule(strength_schedule, where=f"Load LoRA Adapter ({lora_name})")
-            parse_branch(branch, where=f"Load LoRA Adapter ({lora_name})")
-        except LoraRuntimeError as e:
-            return str(e)
-        return True
+        return problem or True
 
     def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0], strength_schedule="",
              branch=BRANCH_CHOICES[0]):

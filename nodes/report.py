@@ -52,7 +52,8 @@ def text(r: dict) -> str:
     share = dec.get("share_lost")
     lines = [
         f"LoRA runtime ({r['host']} host): tier {r['tier']}, mode {r['mode_requested']} -> "
-        f"{dec.get('chosen', 'no adapter')}" + (f" (a merge would lose {share:.1%})" if share is not None else ""),
+        f"{dec['reason'] if dec.get('chosen') == 'off' else dec.get('chosen', 'no adapter')}"
+        + (f" (a merge would lose {share:.1%})" if share is not None else ""),
     ]
     if dec.get("kept_dynamic"):
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
@@ -63,9 +64,14 @@ def text(r: dict) -> str:
                      + (f" ({c['format']})" if c.get("format") else "")
                      + (", " + ", ".join(f"{n} {k}" for k, n in sorted(c["kinds"].items()))
                         if set(c.get("kinds") or {}) - {"lora"} else "")
-                     + (f", {c['unmatched']} keys not loaded" if c.get("unmatched") else "")
-                     + (f"; {ad['chosen']}" if ad.get("chosen") else "")
+                     + (f", {c['unmatched']} layers or keys ({c.get('unmatched_tensors', '?')} tensors) not loaded"
+                        if c.get("unmatched") else "")
+                     + (f"; {ad.get('reason') if ad.get('chosen') == 'off' else ad['chosen']}" if ad.get("chosen")
+                        else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
+        if c.get("text_encoder_layers"):
+            lines.append(f"    {c['text_encoder_layers']} text-encoder layers ({c['text_encoder_tensors']} tensors) not "
+                         "applied: this node patches the model only")
         if a.get("schedule") or a.get("branch"):
             lines.append("    " + "; ".join(x for x in (a.get("schedule"), a.get("branch") and f"{a['branch']} branch",
                                                        a.get("schedule_applied") and

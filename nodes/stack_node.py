@@ -18,7 +18,7 @@ import math
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError
-from ..lora_runtime.layer.schedule import BRANCH_CHOICES
+from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN
 from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter
 
@@ -104,7 +104,7 @@ class LoraStack:
     @classmethod
     def VALIDATE_INPUTS(cls, rows):
         # Checked when the prompt is queued: the rows' form, then each row that is on exactly
-        # as a Load LoRA Adapter with its inputs (file name, header, schedule, branch).
+        # as a Load LoRA Adapter checks its file (name, header), and each row's schedule and branch.
         try:
             parsed = parse_rows(rows)
         except LoraRuntimeError as e:
@@ -112,10 +112,13 @@ class LoraStack:
         for i, r in enumerate(parsed, 1):
             if not active(r):
                 continue
-            ok = LoadLoraAdapter.VALIDATE_INPUTS(lora_name=r["lora"], strength_schedule=r["schedule"],
-                                                 branch=r["branch"])
+            ok = LoadLoraAdapter.VALIDATE_INPUTS(lora_name=r["lora"])
             if ok is not True:
                 return f"{NODE} row {i} ({r['lora']}): {ok}"
+            try:  # the schedule's form: every row lives in this one input, so its error is this input's
+                parse_schedule(r["schedule"], where=f"{NODE} row {i} ({r['lora']})")
+            except LoraRuntimeError as e:
+                return str(e)
         return True
 
     def load(self, model, rows, unmatched_keys=UNMATCHED_CHOICES[0]):

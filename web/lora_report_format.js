@@ -117,6 +117,14 @@ export const formatCoverage = safe(
       }
     }
 
+    const teLayers = num(c.text_encoder_layers);
+    const teTensors = num(c.text_encoder_tensors);
+    const teText = teLayers ? ` · ${teLayers} text-encoder layers not applied` : "";
+    if (teLayers) {
+      titleLines.push(`${teLayers} text-encoder layers (${teTensors === null ? "?" : teTensors} tensors) not applied: `
+        + "this node patches the model only");
+    }
+
     if (matched === 0) {
       return {
         text: `${adapter}: 0/${fileLayers === null ? "?" : fileLayers} layers matched — no effect`,
@@ -127,13 +135,13 @@ export const formatCoverage = safe(
     if (unmatched || (fileLayers !== null && matched < fileLayers)) {
       const missing = unmatched || fileLayers - matched;
       return {
-        text: `${adapter}: ${ratio} layers, ${missing} not loaded`,
+        text: `${adapter}: ${ratio} layers, ${missing} not loaded${teText}`,
         level: "warn",
         title: titleLines.join("\n"),
       };
     }
     return {
-      text: `${adapter}: ${ratio} layers${format ? ` (${format})` : ""}`,
+      text: `${adapter}: ${ratio} layers${format ? ` (${format})` : ""}${teText}`,
       level: "ok",
       title: titleLines.join("\n"),
     };
@@ -167,6 +175,8 @@ export const formatDecision = safe(
       if (requested === "merge") text = "merged (requested)";
       else if (share !== null) text = `merged (${share} lost)`;
       else text = "merged";
+    } else if (chosen === "off") {
+      text = reason || "off (strength 0)";
     } else {
       text = chosen ? `applied: ${chosen}` : "applied";
     }
@@ -311,6 +321,9 @@ export const formatReport = safe(
       let level = cov.level;
       if (ad.enabled === false) {
         text = `${label}: disabled`;
+        level = "info";
+      } else if (isObj(ad.decision) && ad.decision.chosen === "off") {
+        text = `${label}: ${str(ad.decision.reason) || "off (strength 0)"}`;
         level = "info";
       }
       const path = str(ad.path);

@@ -395,7 +395,13 @@ def _validate_node(prompt: dict, node_classes: NodeClasses, node_id: str,
                                           "received_value": val}})
             continue
 
-    if validate_fn is not None and (fn_args or fn_kwargs) and not errors:
+    # Like ComfyUI, the node's own check runs when a built-in check failed on another input
+    # (two mistakes, two errors), and its answer is attached to every input it declares.
+    # Unlike ComfyUI, it is not called with an input that already has an error (missing,
+    # wrong type): that mistake is reported once.
+    flagged = {e["extra_info"].get("input_name") for e in errors}
+    if validate_fn is not None and (fn_args or fn_kwargs) and not (flagged & set(fn_args)) \
+            and not (fn_kwargs and errors):
         call_args = {k: v for k, v in inputs.items()
                      if not _is_link(v) and (k in fn_args or fn_kwargs)}
         if "input_types" in fn_args:

@@ -212,10 +212,31 @@ def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_RO
     return math.sqrt(err / ref) if ref > 0 else 0.0
 
 
+OFF = "off"
+OFF_REASON = "off (strength 0)"
+
+
+def _off(wrappers: list[LoraLinear], order: list[str], counts: dict[str, int]) -> list[AdapterDecision]:
+    """Adapters on these layers that add nothing at all (strength 0 everywhere): not merged,
+    not run, and said so, instead of vanishing from the decision."""
+    out = []
+    for name in order:
+        if counts.get(name):
+            continue
+        slots = [w.slots[name] for w in wrappers if name in w.slots]
+        if slots and all(s.strength == 0.0 for s in slots):
+            out.append(AdapterDecision(name, OFF, None, OFF_REASON, len(slots)))
+    return out
+
+
 def _summary(mode: MergeMode, adapters: list[AdapterDecision], n: int, soft: dict, reason: str | None = None,
-             cached: bool = False) -> MergeDecision:
+             cached: bool = False, off: list[AdapterDecision] = ()) -> MergeDecision:
     chosen_set = {a.chosen for a in adapters}
     chosen = chosen_set.pop() if len(chosen_set) == 1 else ("mixed" if chosen_set else "dynamic")
+    if not adapters and off:  # every adapter is at strength 0: nothing is applied
+        return MergeDecision(mode.value, OFF, None, OFF_REASON, n, adapters=list(off))
+    if off:  # each adapter's own reason, the strength-0 ones included
+        adapters, reason = list(adapters) + list(off), None
     shares = [a.share_lost for a in adapters if a.share_lost is not None]
     share = shares[0] if len(adapters) == 1 and shares else (max(shares) if shares else None)
     if reason is None:
@@ -240,6 +261,8 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
         return [AdapterDecision(name, chosen, share, reason, counts[name]) for name in names]
 
     weight_keys: dict = {}  # layer -> content key, read once per decision
+    off = _off(wrappers, order, counts)
+
     if mode is MergeMode.DYNAMIC:
         why = "dynamic mode never touches the weights"
         check = None  # overflow check only: an update the weight dtype cannot hold (cached by content)
@@ -254,7 +277,7 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
             if key is not None:
                 cache._put(cache.checks, key, True)
                 cache.check_measurements += 1
-        return _summary(mode, each("dynamic", why), n, {}, why)
+        return _summary(mode, each("dynamic", why), n, {}, why, off=off)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
     soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
@@ -276,15 +299,15 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
         why = "merge mode folds every adapter into the weights"
         if not rest:
             return _summary(mode, each("dynamic", f"no layer may be merged into: {next(iter(soft.values()))}"),
-                            n, soft)
-        return _summary(mode, each("merge", why), n, soft, why)
+                            n, soft, off=off)
+        return _summary(mode, each("merge", why), n, soft, why, off=off)
     if refused:
         name, why = refused[0]
         msg = f"{len(refused)} layers cannot take a merge (e.g. {name}: {why})"
-        return _summary(mode, each("dynamic", msg), n, {}, msg)
+        return _summary(mode, each("dynamic", msg), n, {}, msg, off=off)
     if not rest:
         msg = f"no layer may be merged into: {next(iter(soft.values()))}"
-        return _summary(mode, each("dynamic", msg), n, soft, msg)
+        return _summary(mode, each("dynamic", msg), n, soft, msg, off=off)
 
     estimate = None
     merged_names: list[str] = []
@@ -330,7 +353,7 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
         merged_names.append(name)
         if estimate is not None:  # later adapters are measured against the weight with this one merged
             estimate.advance(after if after is not None else estimate.share(name)[1])
-    decision = _summary(mode, decisions, n, soft, cached=all_cached)
+    decision = _summary(mode, decisions, n, soft, cached=all_cached, off=off)
     for a in decisions:
         log.info("LoRA auto merge, %s over %d layers: %s", a.name, a.layers, a.reason)
     return decision

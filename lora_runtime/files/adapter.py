@@ -24,7 +24,7 @@ from ..errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from ..updates.param_delta import ParamDelta
-from . import scale_sources
+from . import conv_tucker, param_names, scale_sources, text_encoder_keys
 from .. import updates
 from .safetensors_file import load_safetensors, read_header
 
@@ -79,7 +79,9 @@ class LayerAdapter:
 
     def _matrix_parts(self) -> dict:
         """Parts for `updates.detect`, conv (LoCon) factors flattened to matrices."""
-        out = dict(self.parts)
+        out, kernel = conv_tucker.fold(self.parts, self.stem)   # Tucker cores -> matrix factors
+        if kernel:
+            self.kernel = kernel
         down, up, diff = out.get("down"), out.get("up"), out.get("diff")
         if down is not None and down.dim() > 2:
             self.kernel = tuple(int(k) for k in down.shape[2:])
@@ -115,6 +117,7 @@ class LoraAdapter:
     ignored_keys: dict[str, str] = field(default_factory=dict)  # key -> why
     scale_source: str = ""                                      # where the layers' alphas came from
     notes: list[str] = field(default_factory=list)              # facts the user should see on the report
+    text_encoder: dict[str, LayerAdapter] = field(default_factory=dict)  # text-encoder layers (not the model's)
 
 
 @dataclass
@@ -131,6 +134,9 @@ class CoverageReport:
     keys_total: int = 0                 # tensors in the file
     keys_applied: int = 0               # tensors whose update is applied
     kinds: dict[str, int] = field(default_factory=dict)   # update kind -> targets
+    unmatched_tensors: int = 0          # tensors of the unmatched layers and keys
+    text_encoder_layers: int = 0        # text-encoder layers of the file (a model-only loader leaves them)
+    text_encoder_tensors: int = 0
 
     def __post_init__(self):
         if self.applied_layers < 0:
@@ -148,8 +154,15 @@ class CoverageReport:
         if self.keys_total:
             s += f", {self.keys_applied}/{self.keys_total} keys applied"
         if self.unmatched:
-            s += f"; {len(self.unmatched)} not loaded, e.g. " + ", ".join(self.examples(3))
+            s += f"; {self.unmatched_text()} not loaded, e.g. " + ", ".join(self.examples(3))
+        if self.text_encoder_layers:
+            s += (f"; {self.text_encoder_layers} text-encoder layers ({self.text_encoder_tensors} tensors) not "
+                  "applied: this node patches the model only")
         return s
+
+    def unmatched_text(self) -> str:
+        """'N layers or keys (M tensors)': layers and tensors counted separately."""
+        return f"{len(self.unmatched)} layers or keys ({self.unmatched_tensors} tensors)"
 
     def to_dict(self) -> dict:
         return {
@@ -163,7 +176,10 @@ class CoverageReport:
             "keys_total": self.keys_total,
             "kinds": dict(self.kinds),
             "unmatched": len(self.unmatched),
+            "unmatched_tensors": self.unmatched_tensors,
             "unmatched_examples": self.examples(20),
+            "text_encoder_layers": self.text_encoder_layers,
+            "text_encoder_tensors": self.text_encoder_tensors,
             "scale_source": self.scale_source,
             "notes": list(self.notes),
         }
@@ -199,15 +215,28 @@ def _check_header(p: Path) -> str:
     names = [k for k in header if k != "__metadata__"]
     if not names:
         return f"{p.name} holds no tensors; it is not a LoRA adapter"
-    if not any(split_key(k) is not None for k in names):
+    stems = [parts[0] for parts in map(split_key, names) if parts is not None]
+    if not stems:
         return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
                 f"supported: {_SUPPORTED}")
+    if all(text_encoder_keys.is_text_encoder(s) for s in stems):
+        te = {}
+        for k in names:
+            parts = split_key(k)
+            if parts is not None:
+                te.setdefault(parts[0], _Keys()).keys.append(k)
+        return text_encoder_keys.only_text_encoder_message(p.name, te)
     meta = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}
     try:
         scale_sources.find_config(p, meta)
     except LoraRuntimeError as e:
         return str(e)
     return ""
+
+
+class _Keys:  # the keys of one stem, for counting before the tensors are read
+    def __init__(self):
+        self.keys: list[str] = []
 
 
 _SUPPORTED = ("lora_down/lora_up, lora_A/lora_B, LoHa (hada_*), LoKr (lokr_*), DoRA (dora_scale / "
@@ -237,6 +266,11 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
         if slot:
             slots.add(slot)
         formats.add(_format_of(key, part))
+        if part == "alpha" and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            t = t.to(torch.float64)  # an integer alpha (some trainers write int64), read as ComfyUI's .item() does
+        if t.numel() == 0:
+            raise AdapterFormatError(f"{p.name}: tensor {key!r} is empty (shape {tuple(t.shape)}): a rank-0 layer "
+                                     "holds no update. Re-export the adapter without it")
         if not t.is_floating_point():
             raise AdapterFormatError(f"{p.name}: tensor {key!r} has dtype {t.dtype}; LoRA tensors must be floating point")
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -277,20 +311,23 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                                      "that supports this type") from None
         except AdapterFormatError as e:
             raise AdapterFormatError(f"{p.name}: {e}") from None
-        if la.update is not None and la.update.has_weight_delta and not isinstance(la.update, updates.Full):
+        if (la.update is not None and la.update.has_weight_delta and not isinstance(la.update, updates.Full)
+                and not text_encoder_keys.is_text_encoder(stem)):  # the scale source line counts model layers
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
+    te_layers = text_encoder_keys.split(layers)
     if any(isinstance(la.update, updates.DoRA) and la.update.axis == "out" for la in layers.values()):
         notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
                      "ComfyUI's LoraLoader divides by ||W|| instead, so its images differ from these")
-    if not layers:
+    if not layers and not te_layers:
         raise AdapterFormatError(
             f"{p.name} has no adapter weights this loader understands (e.g. {list(tensors)[:3]}); "
             f"supported: {_SUPPORTED}"
         )
     fmt = "+".join(sorted(formats - {"other"})) or "unknown"
     source, more = scale_sources.describe(counts, cfg, meta)
-    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more)
+    return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more,
+                       text_encoder=te_layers)
 
 
 def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:
@@ -301,13 +338,13 @@ def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float |
     if not lowrank and not any(k.startswith(("hada_", "lokr_")) for k in parts):
         return None, "", False
     if cfg is not None and lowrank:
-        a = scale_sources.pattern_value(stem, cfg.alpha_pattern)
+        a = scale_sources.pattern_value(stem, cfg.alpha_pattern, cfg)
         alpha = a if a is not None else cfg.lora_alpha
         source = (f"{cfg.source} alpha_pattern" if a is not None else
                   f"{cfg.source} lora_alpha={cfg.lora_alpha:g}" if cfg.lora_alpha is not None else
                   "none: alpha = rank (scale 1.0)")
         rank = int(parts["down"].shape[0])
-        want_r = scale_sources.pattern_value(stem, cfg.rank_pattern) or cfg.r
+        want_r = scale_sources.pattern_value(stem, cfg.rank_pattern, cfg) or cfg.r
         if want_r is not None and want_r != rank:
             notes.append(f"{stem}: the config says rank {want_r}, the tensors have rank {rank}; "
                          "the tensors' rank is used")
@@ -374,10 +411,13 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     the rest is applied and the skipped keys are listed on the report). A file of which
     fewer than half the layers match, or none, is an adapter for another model: always
     an error, naming the family its keys look like."""
+    if not adapter.layers and adapter.text_encoder:
+        raise AdapterMatchError(text_encoder_keys.only_text_encoder_message(adapter.name, adapter.text_encoder))
     all_modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     linears = linear_modules(model)
     resolved = dialects.resolve_all(list(adapter.layers), all_modules)
+    param_names.redirect_modulation(adapter.layers, resolved, all_modules)  # LightX2V blocks.N.diff_m
     targets: dict = {}
     slices: dict[str, list] = {}
     unmatched: dict[str, str] = dict(adapter.ignored_keys)
@@ -446,14 +486,20 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     for t in targets.values():
         k = t.update.kind if isinstance(t, LayerAdapter) else "param"
         kinds[k] = kinds.get(k, 0) + 1
-    keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys)
+    te_layers, te_tensors = text_encoder_keys.counts(adapter.text_encoder)
+    keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys) + te_tensors
+    unmatched_tensors = sum(len(adapter.layers[k].keys) if k in adapter.layers else 1 for k in unmatched)
     keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
     fmt = dialects.dialect_name(list(adapter.layers), all_modules)
     if adapter.format not in ("", "unknown"):
         fmt = f"{fmt} ({adapter.format} keys)"
     report = CoverageReport(adapter.name, fmt, sorted(targets), unmatched, len(linears), len(adapter.layers),
                             adapter.scale_source, list(adapter.notes), applied_layers=len(applied_stems),
-                            keys_total=keys_total, keys_applied=keys_applied, kinds=kinds)
+                            keys_total=keys_total, keys_applied=keys_applied, kinds=kinds,
+                            unmatched_tensors=unmatched_tensors, text_encoder_layers=te_layers,
+                            text_encoder_tensors=te_tensors)
+    if te_layers:
+        report.notes.append(text_encoder_keys.note(adapter.text_encoder))
     family = guess_family(adapter.layers)
     looks = f"; its keys look like an adapter for {family}" if family else ""
     if not applied_stems:
@@ -467,7 +513,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
             "model; pick the one made for this model.")
     if report.unmatched and not lenient:
         raise AdapterMatchError(
-            f"{adapter.name}: {len(report.unmatched)} of its keys would not be applied: "
+            f"{adapter.name}: {report.unmatched_text()} would not be applied: "
             f"{', '.join(report.examples(5))}. Nothing is dropped silently: use the matching adapter, or set "
             "'unmatched keys' to 'skip and report' on the Load LoRA Adapter node to apply the rest.")
     if log_coverage:  # the loader node checks first and says nothing; the run logs it once

@@ -11,7 +11,8 @@ against the model) and a *part*:
   delta; also PEFT's ``.lora_B.bias``), ``.diff_m`` (a delta of a bare parameter, e.g.
   Wan's ``modulation``), ``.w_norm`` / ``.b_norm`` (norm weight / bias deltas);
 - LyCORIS LoHa (``hada_w1_a`` ... ``hada_t2``) and LoKr (``lokr_w1`` ... ``lokr_t2``);
-- recognised only to be refused by name: ``lora_mid``, OFT, ``set_weight``, ``reshape_weight``.
+- ``lora_mid`` (LoCon Tucker core; `conv_tucker` folds it into the down factor at load);
+- recognised only to be refused by name: OFT, ``set_weight``, ``reshape_weight``.
 
 `guess_family` names the model family a set of stems looks like, for the error when
 an adapter for another model is put on this one.

@@ -392,3 +392,57 @@ def test_progress_hook_gets_node_id():
         execute_prompt(p, {**NODES, "Steps": Steps})
     assert seen == [("6", 1, 3), ("6", 2, 3), ("6", 3, 3)]
     assert progress.get_progress_bar_global_hook() is None
+
+
+class _Pair:
+    """A node with a file-like input, a list input and a number, validating some of them itself."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"name": ("STRING",), "mode": (["a", "b"],),
+                             "value": ("INT", {"default": 0, "min": 0, "max": 10})}}
+    RETURN_TYPES = ("INT",)
+    FUNCTION = "go"
+    CATEGORY = "test"
+
+    def go(self, name, mode, value):
+        return (value,)
+
+
+class ChecksAll(_Pair):
+    @classmethod
+    def VALIDATE_INPUTS(cls, name, mode, value):
+        return True if name == "good" else f"file {name} is bad"
+
+
+class ChecksName(_Pair):
+    @classmethod
+    def VALIDATE_INPUTS(cls, name):
+        return True if name == "good" else f"file {name} is bad"
+
+
+def _shape_errors(cls, **inputs):
+    p = {"1": {"class_type": cls.__name__, "inputs": {"name": "good", "mode": "a", "value": 1, **inputs}},
+         "2": {"class_type": "Show", "inputs": {"value": ["1", 0]}}}
+    ok, _, _, ne = validate_prompt(p, {**NODES, cls.__name__: cls})
+    if ok:
+        return []
+    return sorted((e["extra_info"]["input_name"], e["type"]) for e in ne["1"]["errors"])
+
+
+def test_validate_inputs_declaring_every_input_blames_each_of_them_as_comfyui_does():
+    """ComfyUI appends the node's answer once per declared input: a node that declares all its
+    inputs gets its one mistake reported on each of them (the shape our loader avoids)."""
+    assert _shape_errors(ChecksAll, name="bad") == [("mode", "custom_validation_failed"),
+                                                    ("name", "custom_validation_failed"),
+                                                    ("value", "custom_validation_failed")]
+    assert _shape_errors(ChecksAll, mode="c") == []  # declared inputs skip the built-in list check
+    assert _shape_errors(ChecksAll, value=11) == []  # ... and min/max
+
+
+def test_validate_inputs_declaring_one_input_leaves_the_rest_to_the_built_in_checks():
+    assert _shape_errors(ChecksName, name="bad") == [("name", "custom_validation_failed")]
+    assert _shape_errors(ChecksName, mode="c") == [("mode", "value_not_in_list")]
+    assert _shape_errors(ChecksName, value=11) == [("value", "value_bigger_than_max")]
+    # two mistakes, two errors: the node's own check still runs when another input failed
+    assert _shape_errors(ChecksName, name="bad", mode="c") == [("mode", "value_not_in_list"),
+                                                               ("name", "custom_validation_failed")]

@@ -464,3 +464,23 @@ def test_bad_adapter_file_is_http_400_naming_our_node(assets, cond_class, name, 
     assert list(errs) == [node] and errs[node]["class_type"] == "LoraRuntimeLoadAdapter", errs
     text = " ".join(r["message"] + " " + r["details"] for r in errs[node]["errors"])
     assert name in text and message in text, text
+
+
+def test_one_error_per_mistake_on_its_input_in_comfyui(assets, cond_class):
+    """ComfyUI attaches a VALIDATE_INPUTS answer to every input the function declares: a bad
+    file is one error, on lora_name; a bad branch one error, on branch; both: two."""
+    write_bad_files(assets.loras_dir, prefix="zz_")
+
+    def errors(**inputs):
+        prompt = build_prompt(cond_class, [(LORA_A, 1.0)], "dynamic", "exact")
+        node = next(k for k, v in prompt.items() if v["class_type"] == "LoraRuntimeLoadAdapter")
+        prompt[node]["inputs"].update(inputs)
+        status, answer = assets.post_prompt(prompt)
+        assert status == 400, (status, answer)
+        return sorted(((r.get("extra_info") or {}).get("input_name"), r["type"])
+                      for r in answer["node_errors"][node]["errors"])
+
+    assert errors(lora_name="zz_truncated.safetensors") == [("lora_name", "custom_validation_failed")]
+    assert errors(branch="left only") == [("branch", "value_not_in_list")]
+    assert errors(lora_name="zz_pickled.safetensors", branch="left only") == [
+        ("branch", "value_not_in_list"), ("lora_name", "custom_validation_failed")]

@@ -198,3 +198,48 @@ def test_unmatched_keys_fail_unless_skip_and_report(folders, models_dir):
     cov = res.ui["8"]["lora_report"][0]["adapters"][0]["coverage"]
     assert cov["unmatched"] == 1 and "blocks.7.self_attn.q" in cov["unmatched_examples"][0]
     assert "per-layer .alpha tensors (20 layers)" in cov["scale_source"]
+
+
+# one error per mistake, on the input that holds it ------------------------------------------
+
+
+def _errors(p, folders):
+    ok, _, _, node_errors = validate_prompt(p, CLASSES, folders=folders)
+    assert not ok
+    return [(e["extra_info"]["input_name"], e["type"], e["message"] + " " + e["details"])
+            for e in node_errors["2"]["errors"]]
+
+
+def test_a_bad_file_is_one_error_on_lora_name(folders, models_dir):
+    """ComfyUI attaches VALIDATE_INPUTS' answer to every input it declares: the file check
+    must not also land on strength_schedule and branch."""
+    write_bad_files(models_dir / "loras")
+    p = _prompt(lora="truncated.safetensors")
+    p["2"]["inputs"].update(strength_schedule="1, 0", branch="both")
+    [(inp, etype, text)] = _errors(p, folders)
+    assert inp == "lora_name" and etype == "custom_validation_failed" and "truncated.safetensors" in text
+
+
+def test_a_bad_branch_is_one_error_on_branch(folders):
+    p = _prompt()
+    p["2"]["inputs"]["branch"] = "left only"
+    [(inp, etype, text)] = _errors(p, folders)
+    assert inp == "branch" and etype == "value_not_in_list" and "left only" in text
+
+
+def test_two_mistakes_are_two_errors_each_on_its_input(folders, models_dir):
+    write_bad_files(models_dir / "loras")
+    p = _prompt(lora="pickled.safetensors")
+    p["2"]["inputs"]["branch"] = "left only"
+    errs = _errors(p, folders)
+    assert sorted(e[0] for e in errs) == ["branch", "lora_name"], errs
+    assert "pickled.safetensors" in dict((e[0], e[2]) for e in errs)["lora_name"]
+
+
+def test_a_malformed_schedule_stops_the_run_at_its_node_naming_strength_schedule(folders):
+    p = _prompt()
+    p["2"]["inputs"]["strength_schedule"] = "1, x"
+    assert validate_prompt(p, CLASSES, folders=folders)[0]  # not blamed on lora_name at queue time
+    with pytest.raises(NodeExecutionError) as ei:  # the loader node runs before any sampler touches a weight
+        execute_prompt(p, CLASSES, folders=folders)
+    assert ei.value.node_id == "2" and "strength_schedule" in str(ei.value) and "not a number" in str(ei.value)

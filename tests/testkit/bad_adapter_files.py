@@ -16,6 +16,11 @@ EXPECTED = {
     "nan_alpha.safetensors": "not a finite number",
     "checkpoint.safetensors": "no LoRA weights",
     "bad_json.safetensors": "not valid JSON",
+    "pattern_list.safetensors": "alpha_pattern is a list",
+    "pattern_regex.safetensors": "not a valid regular expression",
+    "rslora_text.safetensors": "use_rslora = 'maybe' is not a boolean",
+    "deep_config.safetensors": "nested too deeply",
+    "te_only.safetensors": "only text-encoder weights",
     "meta_list.safetensors": "'__metadata__' must map names to strings",
     "meta_number.safetensors": "value for 'ss_network_alpha' is a int",
     "deep_json.safetensors": "nests JSON too deep",
@@ -46,6 +51,15 @@ def write_bad_files(loras, prefix: str = "") -> None:
     save_file({"model.embed.weight": torch.zeros(4, 4)}, str(loras / f"{prefix}checkpoint.safetensors"))
     hdr = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (loras / f"{prefix}bad_json.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr[:-1] + b"!" + b"\0" * 4)
+    for name, cfg in (("pattern_list", {"r": 2, "alpha_pattern": ["a", 1]}),
+                      ("pattern_regex", {"r": 2, "alpha_pattern": {"a.[0": 1}}),
+                      ("rslora_text", {"r": 2, "lora_alpha": 2, "use_rslora": "maybe"})):
+        save_file(lora, str(loras / f"{prefix}{name}.safetensors"), metadata={"adapter_config": json.dumps(cfg)})
+    save_file(lora, str(loras / f"{prefix}deep_config.safetensors"),
+              metadata={"adapter_config": "[" * 100_000 + "]" * 100_000})
+    save_file({"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(2, 8),
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 2)},
+              str(loras / f"{prefix}te_only.safetensors"))
     down = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
     up = {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}
     pair = {"a.lora_down.weight": down, "a.lora_up.weight": up}

@@ -116,6 +116,24 @@ test("missing fields (older reports) degrade instead of failing", () => {
   assert.deepEqual(fmt.formatReport(undefined), []);
 });
 
+test("strength 0: the decision and the adapter say off (strength 0), not dynamic", () => {
+  const r = { decision: { requested: "auto", chosen: "off", share_lost: null, reason: "off (strength 0)",
+    adapters: [{ name: "a.safetensors", chosen: "off", share_lost: null, reason: "off (strength 0)" }] },
+  adapters: [{ name: "a.safetensors", strength: 0, coverage: { adapter: "a.safetensors", matched: 4, file_layers: 4,
+    unmatched: 0 }, decision: { name: "a.safetensors", chosen: "off", share_lost: null, reason: "off (strength 0)" } }] };
+  const items = fmt.formatReport(r);
+  assert.equal(items[0].text, "off (strength 0)");
+  assert.equal(items.find((i) => i.key === "adapter:0").text, "a.safetensors ×0.0: off (strength 0)");
+});
+
+test("text-encoder layers are named as such on the coverage badge, not as missing layers", () => {
+  const c = fmt.formatCoverage({ adapter: "sdxl.safetensors", format: "Wan native", matched: 20, file_layers: 20,
+    unmatched: 0, text_encoder_layers: 12, text_encoder_tensors: 36 });
+  assert.equal(c.level, "ok");
+  assert.equal(c.text, "sdxl.safetensors: 20/20 layers (Wan native) · 12 text-encoder layers not applied");
+  assert.match(c.title, /12 text-encoder layers \(36 tensors\) not applied: this node patches the model only/);
+});
+
 test("garbage input never throws", () => {
   const cyclic = {};
   cyclic.self = cyclic;
