@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 # in-process (bundled) INPUT_TYPES cannot be the reference for them.
 KSAMPLER_COMBOS = ("sampler_name", "scheduler")
 MODEL_FILE_COMBOS = {"lora_name": "loras"}
+# options that list a model folder's files (the LoRA Stack's row picker): the server lists its own folder
+MODEL_FILE_OPTIONS = {"lora_names": "loras"}
 
 
 def _jsonable(x):
@@ -89,6 +91,13 @@ def _check_input(comfy, object_info, where, inp, spec, got):
         else:
             expected = _jsonable(list(typ))
         assert got[0] == expected, f"{where}: combo {got[0]} != {expected}"
+    for key, kind in MODEL_FILE_OPTIONS.items():
+        if key in opts:
+            folder = comfy.models_dir / kind
+            files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.safetensors"))
+            assert sorted(got_opts.get(key, [])) == files, f"{where}: option {key} != files in {folder}"
+            opts = {k: v for k, v in opts.items() if k != key}
+            got_opts = {k: v for k, v in got_opts.items() if k != key}
     assert got_opts == opts, f"{where}: options {got_opts} != {opts}"
 
 
