@@ -4,12 +4,12 @@ first) against an fp64 ground truth under the `lossless` rule (RMS and max error
 (adapter off, one mean scale, GELU flipped, no bias), and the K-concat cache's keying."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_eager, lora_linear_torch
 from comfyui_lora_runtime.kernels.lora_linear_cublas import cached_bytes, lora_linear_kconcat
 from test_lora_linear import ADAPTERS, check_not_wrong, make, truth64
+from testkit.compare import MulCounter
 
 BACKENDS = ["delta_first", "kconcat_cached", "kconcat_rebuilt"]
 
@@ -70,22 +70,12 @@ def test_cached_wb_is_reused_across_strengths_and_rebuilt_when_the_weight_change
     assert torch.equal(state["wb"][1][:, 41:], bb2)
 
 
-class _CountMul(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.muls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
-            self.muls += 1
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale,muls", [(1.0, 0), (0.7, 1)])
 def test_unit_scale_is_not_multiplied(backend, scale, muls):
     x, w, b, a, bb, _ = make((9, 41), 70, torch.float32, "cpu")
-    with _CountMul() as counter:
+    with MulCounter() as counter:
         lora_linear(x, w, b, a, bb, scale, backend=backend)
     assert counter.muls == muls
 

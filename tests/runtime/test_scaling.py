@@ -3,23 +3,13 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 from testkit.fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
+from testkit.compare import MulCounter
 
-
-class MulCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.muls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
-            self.muls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _layer(dtype, alpha=None, r=8, seed=0):

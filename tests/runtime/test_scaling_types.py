@@ -9,24 +9,14 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime import updates as U
+from testkit.compare import MulCounter
 
 OUT, IN = 40, 48
 
-
-class MulCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.muls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
-            self.muls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def rnd(*shape, seed):

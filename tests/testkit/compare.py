@@ -1,4 +1,4 @@
-"""One verbose comparison helper for the kernel tests.
+"""Comparison helpers for the tests: one verbose tensor comparison, and an aten.mul counter.
 
 Every failure message says how many elements disagree, where the first ones are
 (with both values), the max abs error, and any NaN/Inf disagreement, so a broken
@@ -7,6 +7,7 @@ tile or mask shows up as a pattern of indices rather than a bare assert.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHOW = 5
 
@@ -104,3 +105,17 @@ def order_atol(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor | None = None, 
         sq = sq + h.square() @ b2 + ((xd.square() @ a.double().square().t()) * (s * s)) @ b2
         k += a.shape[0]
     return (1.2 * 5 * 2.0 ** -24 * (k * sq).sqrt()).reshape(*x.shape[:-1], w.shape[0])
+
+
+class MulCounter(TorchDispatchMode):
+    """Counts aten.mul / aten.mul_ calls inside its block (the scaling contract: a unit factor
+    is never multiplied; folded tiers multiply once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.muls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
+            self.muls += 1
+        return func(*args, **(kwargs or {}))
