@@ -16,18 +16,7 @@ from comfyui_lora_runtime.lora_runtime import AdapterFormatError, AdapterSpec, a
 from comfyui_lora_runtime.lora_runtime.files.adapter import check_adapter_file
 from comfyui_lora_runtime.lora_runtime.files.pattern_match import Pattern
 
-from testkit.fixtures import TinyWanLike, make_adapter_tensors
-from test_scale_sources import R, X, _check, _peft_sd
-
-
-@pytest.fixture
-def model():
-    return TinyWanLike(dtype=torch.float32)
-
-
-@pytest.fixture
-def pairs(model):
-    return make_adapter_tensors(model, r=R, seed=7, scale=0.3)
+from test_scale_sources import R, X, _check, _peft_sd, model, pairs  # noqa: F401  (model, pairs: fixtures)
 
 
 def _snapshot(model):
