@@ -59,11 +59,24 @@ def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: "RuntimeCo
     `inplace=True` for a delta the caller just computed (same bits, no new allocation).
     Returns `delta` itself when every factor is unit.
     """
-    mul = _mul(delta, inplace)
+    return apply_steps(delta, factor_steps(factors, ctx), inplace)
+
+
+def factor_steps(factors: tuple[float, ...], ctx: "RuntimeContext | None") -> tuple[float, ...]:
+    """The multiplies `scale_delta` does for `factors` in `ctx`, in order (precomputable once
+    per call plan): the folded product in lossless/high, each non-unit factor in exact."""
     if folds_scales(ctx):
         s = combined_factor(*factors)
-        return delta if s == 1.0 else mul(delta, s)
-    for f in nonunit(*factors):
+        return () if s == 1.0 else (s,)
+    return tuple(nonunit(*factors))
+
+
+def apply_steps(delta: torch.Tensor, steps: tuple[float, ...], inplace: bool = False) -> torch.Tensor:
+    """`delta` times each of `steps` in order (from `factor_steps`)."""
+    if not steps:
+        return delta
+    mul = _mul(delta, inplace)
+    for f in steps:
         delta = mul(delta, f)
     return delta
 

@@ -157,6 +157,8 @@ class SamplingSchedules:
             self.entries[name] = (sched, branch, thresholds)
         self._cache_key = None
         self._cache_val = None
+        self._masks: dict = {}        # (branch, cond_or_uncond, rows, device) -> (0.0 or 1.0, mask or None)
+        self._by_content: dict = {}   # factors of a call -> the one mapping object for them
         self.calls = 0
         self.seen: dict[str, dict[int, float]] = {n: {} for n in self.entries}  # step -> multiplier used
 
@@ -191,8 +193,17 @@ class SamplingSchedules:
             self.seen[name].setdefault(step, m)
             mask = None
             if branch is not Branch.BOTH and m != 0.0:
-                m, mask = _branch_rows(branch, cond_or_uncond, rows, m, device)
+                mkey = (branch, key[1], rows, key[3])
+                if mkey not in self._masks:
+                    self._masks[mkey] = _branch_rows(branch, cond_or_uncond, rows, 1.0, device)
+                if self._masks[mkey][0] == 0.0:  # the branch has no row in this call
+                    m = 0.0
+                mask = self._masks[mkey][1]
             out[name] = (m, mask)
+        # the same factors as an earlier call give the same mapping object (the layers' call plans,
+        # keyed by the context built from it, are then reused)
+        content = tuple((n, m, id(mask)) for n, (m, mask) in out.items())
+        out = self._by_content.setdefault(content, out)
         self._cache_key, self._cache_val = key, out
         return out
 

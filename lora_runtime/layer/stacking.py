@@ -93,12 +93,17 @@ def add_stacked(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor, slots: "list
                 rs: float) -> torch.Tensor:
     """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
     a, bt, factor, vec = stacked_pair(lw, x.device, x.dtype, slots)
-    h = F.linear(x, a)
     if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
-        h = times(h, vec.to(h.dtype), inplace=True)
-        alpha = rs
-    else:
-        alpha = combined_factor(factor, rs)
+        return addmm_stacked(x, y, a, bt, vec.to(x.dtype), rs)
+    return addmm_stacked(x, y, a, bt, None, combined_factor(factor, rs))
+
+
+def addmm_stacked(x, y, a, bt, vec, alpha) -> torch.Tensor:
+    """y += ((x A^T) [* vec]) B^T * alpha, in place when y allows (add_stacked's arithmetic
+    with its factors already worked out; a call plan calls it directly)."""
+    h = F.linear(x, a)
+    if vec is not None:
+        h = times(h, vec, inplace=True)
     if not can_add_inplace(y):
         y = y.contiguous() if not y.requires_grad else y.clone()
     y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), bt, alpha=alpha)

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MergeRefusedError
-from . import stacking
+from . import call_plan, stacking
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
-from .runtime_context import current_context
+from .runtime_context import _CURRENT, current_context
 from .stacking import can_add_inplace, row_mask
 from ..scaling import combined_factor, folds_scales, scale_delta, times
 from ..updates import Update
@@ -145,6 +145,9 @@ class LoraLinear(nn.Module):
         self._verified: tuple | None = None   # (fingerprint, weight identity) right after a restore
         self._stack_cache: dict = {}
         self._plan_cache: tuple | None = None
+        self._plans: dict = {}                 # (context, device, dtype) -> call_plan.CallPlan
+        self._last_plan = None                 # the plan of the last call (checked first)
+        self._trace_plan = None                # call_plan.TracePlan: what a compiled call reads
 
     # --- read-through to the wrapped layer -----------------------------------------
     @property
@@ -247,9 +250,13 @@ class LoraLinear(nn.Module):
         self._invalidate()
 
     def _invalidate(self) -> None:
-        """Slot state changed: drop the stacked weights and the per-call plan."""
+        """Slot state changed: drop the stacked weights and the call plans, and build what a
+        compiled call reads now (never inside a trace)."""
         self._stack_cache.clear()
         self._plan_cache = None
+        self._plans.clear()
+        self._last_plan = None
+        self._trace_plan = call_plan.build_trace_plan(self)
 
     def _call_plan(self):
         """(weight slots not merged, slots with an output offset), cached until the state changes."""
@@ -400,18 +407,41 @@ class LoraLinear(nn.Module):
             y = self._base_call(x, *args, **kwargs)
             if not self._attached:
                 return y  # detached while another patch still chains through us
+        if torch.compiler.is_compiling():  # traced: tensor factors, no context read (call_plan.py)
+            return call_plan.traced_forward(self, x, y)
+        ctx = _CURRENT.get()
+        p = self._last_plan
+        if p is None or p.ctx is not ctx or p.dtype is not x.dtype or p.device != x.device:
+            p = self._plan_for(ctx, x)
+        return y if p.run is None else p.run(x, y)
+
+    def _plan_for(self, ctx, x: torch.Tensor):
+        """The call plan for `ctx` and x's device/dtype (built once per slot state and context)."""
+        key = (id(ctx), x.device, x.dtype)  # by identity (contexts compare by tier and scale only);
+        p = self._plans.get(key)             # the plan holds its context, so the id stays valid
+        if p is None or p.ctx is not ctx:
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            p = self._plans[key] = call_plan.build(self, ctx, x.device, x.dtype)
+        self._last_plan = p
+        return p
+
+    def _call_selection(self, ctx):
+        """(live weight slots, live offset slots, {name: (runtime scale, row mask)}) of a call in
+        `ctx`; the slots scheduled to 0 there are left out (the call then gives the base bits)."""
         dyn, offsets = self._call_plan()
-        if not dyn and not offsets:
-            return y  # nothing live (no adapter, all off, or merged without offset)
-        ctx = current_context()
-        if ctx is not None and ctx.scale == 0.0:
-            return y
+        if not dyn and not offsets or (ctx is not None and ctx.scale == 0.0):
+            return [], [], {}
         # this call's runtime scale and row mask per slot: the context's scale, times a strength
         # schedule and a CFG-branch mask when the sampler set them (schedule.py)
         f = {s.name: self.call_factor(s, ctx) for s in (*dyn, *offsets)}
         if ctx is not None and ctx.adapters is not None:  # slots scheduled to 0 this call: base bits
             dyn = [s for s in dyn if f[s.name][0] != 0.0]
             offsets = [s for s in offsets if f[s.name][0] != 0.0]
+        return dyn, offsets, f
+
+    def _forward_general(self, x, y, ctx, dyn, offsets, f) -> torch.Tensor:
+        """Every path (the plans' fallback): `dyn`, `offsets`, `f` from `_call_selection(ctx)`."""
         if self.is_conv:
             return self._conv_forward(x, y, dyn, offsets, f, ctx)
         if folds_scales(ctx):
