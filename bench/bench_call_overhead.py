@@ -10,6 +10,9 @@ ratios), `--inner` calls per timing:
   exact      the same under tier "exact" (reference path)
   scheduled  lossless with a per-call adapter multiplier 0.5 (a strength schedule)
   peft       base(x) + (x A^T) B^T * s written out in torch (the arithmetic floor)
+  unplanned  lossless through the general path with the per-call selection redone each call
+             (context read, factor dict, filtering: what every call did before call plans),
+             behind the same nn.Module call: the before of the call-plan change, in the same run
 Printed per arm: us per call, and us added over plain. The last line is
 `added us per adapted call (lossless): <us>`.
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context, runtime_context
 
 from _timing import header, load_string, paired_rounds
 
@@ -83,6 +86,21 @@ def main(argv=None) -> dict:
                         lin(x)
             return call
 
+        wr = lin._lora_runtime
+
+        class Unplanned(torch.nn.Module):
+            def forward(self, x):
+                y = wr._base_call(x)
+                ctx = current_context()
+                return wr._forward_general(x, y, ctx, *wr._call_selection(ctx))
+
+        unplanned_mod = Unplanned()
+
+        def unplanned():
+            with runtime_context(tier="lossless"):
+                for _ in range(args.inner):
+                    unplanned_mod(x)
+
         def peft():
             for _ in range(args.inner):
                 F.linear(x, w, b) + F.linear(F.linear(x, down), up) * s
@@ -96,8 +114,10 @@ def main(argv=None) -> dict:
         want = F.linear(x, w, b) + F.linear(F.linear(x, down), up) * s
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and not torch.allclose(got, plain(), atol=1e-4), \
             "the wrapped layer does not compute base + adapter"
+        with runtime_context(tier="lossless"):
+            assert torch.equal(unplanned_mod(x), lin(x)), "the unplanned arm computes other bits"
         arms = {"lossless": under("lossless"), "exact": under("exact"),
-                "scheduled": under("lossless", {"a": (0.5, None)}), "peft": peft}
+                "scheduled": under("lossless", {"a": (0.5, None)}), "peft": peft, "unplanned": unplanned}
         stats = paired_rounds(arms, plain_n, "cpu", warmup=1, repeats=repeats)
     out = {}
     print(f"{'arm':10s} {'us/call':>8s} {'x plain':>8s} {'+us':>7s}")
@@ -108,6 +128,7 @@ def main(argv=None) -> dict:
         out[name] = {"us": us, "ratio": ratio, "added_us": us - plain_us}
         print(f"{name:10s} {us:8.2f} {ratio:8.2f} {us - plain_us:7.2f}")
     print(f"# {load_string()}")
+    print(f"added us: planned / unplanned (lossless): {out['lossless']['added_us'] / out['unplanned']['added_us']:.2f}")
     print(f"added us per adapted call (lossless): {out['lossless']['added_us']:.2f}")
     return out
 

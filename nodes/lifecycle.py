@@ -34,7 +34,7 @@ import logging
 import time
 
 from .. import host
-from ..lora_runtime import applied, plan
+from ..lora_runtime import applied, compile_watch, plan
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from . import intent as intent_mod
 from . import report as report_mod
@@ -52,6 +52,7 @@ def is_registered(patcher) -> bool:
 
 def register(patcher) -> None:
     """Make every sampling of `patcher` (and of its later clones) run the LoRA runtime."""
+    compile_watch.install()  # a torch.compile recompile-limit fallback is named on the report
     host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper)
 
 

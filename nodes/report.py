@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..lora_runtime import ApplyReport
+from ..lora_runtime import ApplyReport, compile_watch
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.schema.json"
 
@@ -30,7 +30,9 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         adapters.append(entry)
     mounted = [f for f in d["fusions"] if f.get("fusions")]
     skipped = [f for f in d["fusions"] if not f.get("fusions")]
+    compiled = compile_watch.report_entry()  # torch.compile gave up on a function: it runs uncompiled now
     return {
+        **({"compile": compiled} if compiled else {}),
         "host": host,
         "mode_requested": mode,
         "tier": tier,
@@ -83,5 +85,7 @@ def text(r: dict) -> str:
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
+    if (r.get("compile") or {}).get("message"):
+        lines.append(f"  {r['compile']['message']}")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)

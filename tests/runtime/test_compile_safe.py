@@ -1,0 +1,153 @@
+"""Adapters under torch.compile (inductor, CPU): changing strength, schedule, or switching between
+two same-shaped adapters (dynamic mode) re-uses the compiled graph; compiled outputs equal the
+uncompiled ones and differ from the adapter-off output; a recompile-limit fallback is named on the
+report. One tiny model is compiled once for the module (inductor's C++ build dominates the time)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from comfyui_lora_runtime.lora_runtime import compile_watch
+from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
+from comfyui_lora_runtime.nodes import report
+
+# fp32: a compiled call multiplies the small h = x A^T by the fp32 factor tensors (k * cell) and
+# adds (h B^T) out of place; eager folds the fp64 factor product into addmm_'s alpha (lossless) or
+# multiplies the delta factor by factor (exact). A few fp32 roundings apart on outputs of O(1).
+RTOL, ATOL = 1e-5, 2e-6
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(16, 32)
+        self.proj_out = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.proj_out(F.gelu(self.proj_in(x)))
+
+
+COMPILES = []
+
+
+def _counting_inductor(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+    COMPILES.append(gm)
+    return compile_fx(gm, example_inputs)
+
+
+def _write(path, model, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for n in ("proj_in", "proj_out"):
+        lin = model.get_submodule(n)
+        t[f"diffusion_model.{n}.lora_down.weight"] = torch.randn(4, lin.in_features, generator=g) * 0.3
+        t[f"diffusion_model.{n}.lora_up.weight"] = torch.randn(lin.out_features, 4, generator=g) * 0.3
+        t[f"diffusion_model.{n}.alpha"] = torch.tensor(4.0)
+    save_file(t, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Tiny().eval().requires_grad_(False)
+    d = tmp_path_factory.mktemp("compile")
+    a, b = _write(d / "a.safetensors", model, 1), _write(d / "b.safetensors", model, 2)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(model, backend=_counting_inductor, dynamic=False)
+    with torch.no_grad():
+        base = model(x)
+    return model, compiled, x, base, a, b
+
+
+def _run(model, compiled, x, path, strength, tier="lossless", name="a", adapters=None):
+    p = plan(model, [AdapterSpec(path, strength, name=name)], mode="dynamic", tier=tier)
+    with torch.no_grad(), applied(model, p, fusion_backend=None), runtime_context(adapters=adapters):
+        return compiled(x), model(x)
+
+
+def _check(got, want, base):
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert (got - base).abs().max() > 1e-2  # the adapter is in the compiled output
+
+
+def test_compile_strength_changes_do_not_recompile(setup):
+    model, compiled, x, base, a, _ = setup
+    got, want = _run(model, compiled, x, a, 0.8)
+    _check(got, want, base)
+    first = len(COMPILES)
+    assert first >= 1
+    for s in (0.5, 1.3, -0.7, 0.25, 2.0, 0.9, 1.1, 0.05, 1.7, 0.6):
+        got, want = _run(model, compiled, x, a, s)
+        _check(got, want, base)
+    got, want = _run(model, compiled, x, a, 0.6, tier="exact")  # the tier is not read in traced code
+    _check(got, want, base)
+    assert len(COMPILES) == first, "a strength change recompiled"
+    with torch.no_grad():
+        assert torch.equal(model(x), base)  # restored after each run
+
+
+def test_compile_schedule_and_same_shape_switch_do_not_recompile(setup):
+    model, compiled, x, base, a, b = setup
+    _run(model, compiled, x, a, 0.8)
+    first = len(COMPILES)
+    outs = {}
+    for m in (1.0, 0.5, 0.0, 2.0, 0.3):  # a strength schedule's per-call multiplier
+        got, want = _run(model, compiled, x, a, 0.8, adapters={"a": (m, None)})
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        outs[m] = got
+    assert torch.equal(outs[0.0], base) or torch.allclose(outs[0.0], base, rtol=RTOL, atol=ATOL)
+    assert (outs[2.0] - outs[1.0]).abs().max() > 1e-2  # the multiplier reaches the compiled graph
+    for path, name in ((b, "b"), (a, "a"), (b, "b")):  # A <-> B: same shapes, other numbers, other name
+        got, want = _run(model, compiled, x, path, 0.8, name=name)
+        _check(got, want, base)
+        outs[name] = got
+    assert (outs["a"] - outs["b"]).abs().max() > 1e-2
+    assert len(COMPILES) == first, "a schedule change or an adapter switch recompiled"
+
+
+def test_compile_branch_mask_reaches_the_compiled_call(setup):
+    model, compiled, x, base, a, _ = setup
+    mask = torch.tensor([0.0, 1.0])  # the adapter on the second row (one CFG branch) only
+    got, want = _run(model, compiled, x, a, 0.8, adapters={"a": (1.0, mask)})
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got[0], base[0], rtol=RTOL, atol=ATOL)
+    assert (got[1] - base[1]).abs().max() > 1e-2
+
+
+def test_compile_factor_tensor_has_the_float_bits():
+    """One multiply by a python float and by the fp32 0-d tensor holding it give the same bits
+    (CPU scalar path), in every dtype the runtime runs."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        d = torch.randn(64, 64, generator=g).to(dt)
+        for f in (0.8, 1 / 3, 1.4, -2.5):
+            assert torch.equal(d * f, d * torch.tensor(f, dtype=torch.float32)), (dt, f)
+    d = torch.randn(64, 64, generator=g)
+    assert not torch.equal(d * 0.8, d * torch.tensor(0.8).to(torch.bfloat16))  # a factor rounded first differs
+
+
+def test_compile_recompile_limit_fallback_is_reported():
+    compile_watch.install()
+    compile_watch.reset()
+    r0 = report.build(None, mode="dynamic", tier="lossless", host="bundled", sample_seconds=0.1, steps=1)
+    assert "compile" not in r0 and "uncompiled" not in report.text(r0)
+
+    def shapes_vary(t):
+        return t * 2 + 1
+
+    f = torch.compile(shapes_vary, backend="eager", dynamic=False)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            f(torch.randn(2))
+            f(torch.randn(2, 3))   # over the limit: torch runs it uncompiled from now on, with a warning
+        r = report.build(None, mode="dynamic", tier="lossless", host="bundled", sample_seconds=0.1, steps=1)
+        fb = r["compile"]["fallbacks"]
+        assert len(fb) == 1 and "shapes_vary" in fb[0]["function"] and fb[0]["limit"] == "recompile_limit"
+        assert fb[0]["value"] == 1
+        line = [ln for ln in report.text(r).splitlines() if "uncompiled" in ln]
+        assert line and "shapes_vary" in line[0] and "recompile_limit" in line[0]
+    finally:
+        compile_watch.reset()
