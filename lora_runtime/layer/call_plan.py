@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales
+from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, times
 from . import stacking
 from .runtime_context import adapter_cell, current_context
 from .stacking import can_add_inplace, row_mask
@@ -34,15 +34,21 @@ class CallPlan:
         self.ctx, self.device, self.dtype, self.run = ctx, device, dtype, run
 
 
-class _Stacked:
-    """lossless/high, every live slot a stack() pair, no mask/offset: `add_stacked`'s ops."""
-    __slots__ = ("a", "bt", "vec", "alpha")
+def _stacked(a, bt, vec, alpha):
+    """lossless/high, every live slot a stack() pair, no mask/offset: `stacking.addmm_stacked`'s
+    ops (same bits), its Python inlined into one closure (this runs on every call)."""
+    r, n = int(a.shape[0]), int(bt.shape[1])
+    linear, grad_on = F.linear, torch.is_grad_enabled
 
-    def __init__(self, a, bt, vec, alpha):
-        self.a, self.bt, self.vec, self.alpha = a, bt, vec, alpha
-
-    def __call__(self, x, y):
-        return stacking.addmm_stacked(x, y, self.a, self.bt, self.vec, self.alpha)
+    def run(x, y):
+        h = linear(x, a)
+        if vec is not None:
+            h = times(h, vec, inplace=True)
+        if not y.is_contiguous() or (y.requires_grad and grad_on()):
+            return stacking.addmm_stacked(x, y, a, bt, vec, alpha)  # not in place: the general helper
+        y.view(-1, n).addmm_(h.view(-1, r) if h.is_contiguous() else h.reshape(-1, r), bt, alpha=alpha)
+        return y
+    return run
 
 
 class _Exact:
@@ -82,9 +88,9 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
         if all(f[s.name] == f0 for s in dyn):  # uniform: the general path's add_stacked
             a, bt, factor, vec = stacking.stacked_pair(lw, device, dtype, dyn)
             if vec is None:
-                run = _Stacked(a, bt, None, combined_factor(factor, f0[0]))
+                run = _stacked(a, bt, None, combined_factor(factor, f0[0]))
             else:
-                run = _Stacked(a, bt, vec.to(dtype), f0[0])
+                run = _stacked(a, bt, vec.to(dtype), f0[0])
     elif plain:
         pairs = []
         for s in dyn:

@@ -61,7 +61,7 @@ def test_compiled_model_resampled_at_new_strengths_does_not_recompile(base):
         got = _sample(_compile_model(m))
         if first is None:
             first = len(COMPILES)
-            assert first >= 1
+            assert first == 1, "the DiT broke into several graphs: traced code read Python state (a context)"
         want = _sample(m)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         assert (got - y_base).abs().max() > 1e-2  # the adapter is in the compiled model's output

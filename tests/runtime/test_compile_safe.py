@@ -78,7 +78,7 @@ def test_compile_strength_changes_do_not_recompile(setup):
     got, want = _run(model, compiled, x, a, 0.8)
     _check(got, want, base)
     first = len(COMPILES)
-    assert first >= 1
+    assert first == 1, "the model broke into several graphs: traced code read Python state (a context)"
     for s in (0.5, 1.3, -0.7, 0.25, 2.0, 0.9, 1.1, 0.05, 1.7, 0.6):
         got, want = _run(model, compiled, x, a, s)
         _check(got, want, base)
