@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from .wrapper import LoraLinear
 
 
+_COMPUTE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class CallPlan:
     __slots__ = ("ctx", "device", "dtype", "run")
 
@@ -125,9 +128,12 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
     w = lw.weight
     if w is None or w.is_meta:
         return None
-    device, dtype = w.device, w.dtype
+    device = w.device
     slots = []
     for s in live:
+        # the weight's dtype when it is a compute dtype (the usual case: the eager path's copy is
+        # shared), else (fp8/int weights cast per call) the adapter's own; a traced call casts to x's
+        dtype = w.dtype if w.dtype in _COMPUTE else s.update.stack()[0].dtype
         a, b, scale = s.update.stack(device, dtype)
         k = torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
         slots.append((a, b, k, adapter_cell(s.name, device)))
