@@ -5,7 +5,10 @@ Contract
 - `install()` (idempotent) listens on torch's dynamo frame-conversion logger for the
   recompile-limit warning; `fallbacks()` lists every function it saw give up in this process
   (it stays uncompiled for the rest of the process), oldest first; `reset()` forgets them.
-- `report_entry()` is what a runtime report carries: None while nothing gave up.
+- `graphs_compiled()`: how many graphs torch.compile has compiled in this process so far (a
+  sampling's difference says whether it compiled or recompiled anything).
+- `report_entry(graphs=0)` is what a runtime report carries: None while nothing gave up and
+  the run compiled no graph.
 """
 from __future__ import annotations
 
@@ -53,11 +56,21 @@ def reset() -> None:
         _seen.clear()
 
 
-def report_entry() -> dict | None:
+def graphs_compiled() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # no dynamo in this torch build: nothing is ever compiled
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def report_entry(graphs: int = 0) -> dict | None:
     fb = fallbacks()
-    if not fb:
+    if not fb and not graphs:
         return None
-    return {"fallbacks": fb,
-            "message": f"torch.compile hit its {fb[0]['limit']} on {len(fb)} function"
-                       f"{'' if len(fb) == 1 else 's'}; they run uncompiled for the rest of this process "
-                       "(restart to compile them again): " + ", ".join(f["function"] for f in fb)}
+    out = {"graphs_compiled": int(graphs), "fallbacks": fb}
+    if fb:
+        out["message"] = (f"torch.compile hit its {fb[0]['limit']} on {len(fb)} function"
+                          f"{'' if len(fb) == 1 else 's'}; they run uncompiled for the rest of this process "
+                          "(restart to compile them again): " + ", ".join(f["function"] for f in fb))
+    return out

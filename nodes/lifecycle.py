@@ -96,10 +96,13 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     t0 = time.perf_counter()
     with applied(dm, p, cache=decision_cache_for(dm)) as applied_report, sampling_schedules(schedules):
         t_sample = time.perf_counter()
+        graphs = compile_watch.graphs_compiled()
         out = executor(*args, **kwargs)
+        graphs = compile_watch.graphs_compiled() - graphs
         sample_seconds = time.perf_counter() - t_sample
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
-                         host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules)
+                         host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules,
+                         graphs_compiled=graphs)
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))

@@ -14,7 +14,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.sche
 
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
-          steps: int, schedules=None) -> dict:
+          steps: int, schedules=None, graphs_compiled: int = 0) -> dict:
     d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
                                                       "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
     coverage = {c["adapter"]: c for c in d["coverage"]}
@@ -30,7 +30,8 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         adapters.append(entry)
     mounted = [f for f in d["fusions"] if f.get("fusions")]
     skipped = [f for f in d["fusions"] if not f.get("fusions")]
-    compiled = compile_watch.report_entry()  # torch.compile gave up on a function: it runs uncompiled now
+    # graphs torch.compile built during the sampling, and functions it gave up on (they run uncompiled now)
+    compiled = compile_watch.report_entry(graphs_compiled)
     return {
         **({"compile": compiled} if compiled else {}),
         "host": host,
@@ -88,6 +89,8 @@ def text(r: dict) -> str:
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
     if r.get("restore_bytes"):
         lines.append(f"  restore record ({r.get('restore_memory', 'lean')}): {r['restore_bytes'] / 2**20:.1f} MiB")
+    if (r.get("compile") or {}).get("graphs_compiled"):
+        lines.append(f"  torch.compile compiled {r['compile']['graphs_compiled']} graph(s) during this sampling")
     if (r.get("compile") or {}).get("message"):
         lines.append(f"  {r['compile']['message']}")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")

@@ -10,6 +10,7 @@ import torch
 
 from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
 from comfyui_lora_runtime.host.bundled.model_patcher import APPLY_MODEL
+from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 
 from testkit.nodes_helpers import CondPos
@@ -58,10 +59,16 @@ def test_compiled_model_resampled_at_new_strengths_does_not_recompile(base):
     outs = {}
     for strength, schedule in ((0.8, ""), (0.4, ""), (1.2, ""), (0.8, "1, 0.5, 0")):
         m = _loaded(base, strength, schedule)
-        got = _sample(_compile_model(m))
+        mc = _compile_model(m)
+        got = _sample(mc)
+        r = lifecycle.last_report(mc)  # the report says whether this sampling compiled anything
         if first is None:
             first = len(COMPILES)
             assert first == 1, "the DiT broke into several graphs: traced code read Python state (a context)"
+            assert r["compile"]["graphs_compiled"] == 1
+            assert "torch.compile compiled 1 graph(s) during this sampling" in report.text(r)
+        else:
+            assert "compile" not in r and "torch.compile" not in report.text(r), r.get("compile")
         want = _sample(m)
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         assert (got - y_base).abs().max() > 1e-2  # the adapter is in the compiled model's output
