@@ -119,11 +119,13 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
     strength 0 (a factor of 0 then), so a strength change never changes what a trace reads. None
     (compiled calls take the general path, which reads the context and breaks the graph) when a
     live slot has no stack() pair or an output offset, or the layer is a convolution."""
-    live = [s for s in lw.slots.values() if s.enabled and not s.merged]
+    enabled = [s for s in lw.slots.values() if s.enabled]
+    if any(s.update.diff_b is not None for s in enabled):  # merged or not, an offset is added per call
+        return None
+    live = [s for s in enabled if not s.merged]
     if not live:
         return TracePlan(None, (), lw.layer_name)
-    if lw.is_conv or any(not s.stackable or s.update.diff_b is not None or s.update.needs_base_output
-                         for s in live):
+    if lw.is_conv or any(not s.stackable or s.update.needs_base_output for s in live):
         return None
     w = lw.weight
     if w is None or w.is_meta:
