@@ -151,3 +151,35 @@ def test_compile_recompile_limit_fallback_is_reported():
         assert line and "shapes_vary" in line[0] and "recompile_limit" in line[0]
     finally:
         compile_watch.reset()
+
+
+def test_compile_layers_without_a_trace_plan_stay_correct():
+    """An output offset (diff_b), here on a merged slot, has no trace plan: the compiled call takes
+    the general path (it reads the context: a graph break) and still adds the offset."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from testkit.fixtures import lora_pair
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    w = LoraLinear(lin, "l")
+    down, up = lora_pair(24, 16, 4, 1, scale=0.3)
+    db = torch.randn(24, generator=torch.Generator().manual_seed(2))
+    w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0, diff_b=db), 0.8)
+    down2, up2 = lora_pair(24, 16, 4, 3, scale=0.3)
+    w.add_adapter("b", LayerAdapter("l", down2, up2, alpha=2.0), -0.6)
+    w.attach()
+    try:
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            base = F.linear(x, lin.weight, lin.bias)
+            w.merge(only={"a"})
+            assert w._trace_plan is None
+            cf = torch.compile(lin, backend="eager")
+            with runtime_context(tier="lossless"):
+                got, want = cf(x), lin(x)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            assert (got - base).abs().max() > 1e-2
+            w.unmerge()
+    finally:
+        w.detach()

@@ -1,0 +1,39 @@
+"""ComfyUI's TorchCompileModel (inductor, CPU) after our loader in a real ComfyUI (opt-in, COMFYUI_DIR).
+
+One compile, then two strength changes: each prompt re-runs our loader and TorchCompileModel (a new
+MODEL clone, a new compiled wrapper), and the report of the compiled KSampler says how many graphs
+torch.compile built during that sampling: some the first time, none after a strength change. Each
+compiled latent matches the uncompiled KSampler of the same prompt (PSNR: inductor fuses and
+reorders the DiT's float ops) and differs from the no-adapter latent."""
+from __future__ import annotations
+
+import pytest
+
+from test_any_sampler_real import (LORA_A, Prompt, assert_changed, assert_psnr, assets, cond_class,  # noqa: F401
+                                   fresh, no_adapter, reports_sent, run)
+
+STRENGTHS = (1.0, 0.5, 1.5)
+
+
+def _report_of(record, node):
+    reps = [e["report"] for e in reports_sent(record) if str(e.get("node")) == node]
+    assert reps, f"no runtime report was sent for node {node}"
+    return reps[-1]
+
+
+def test_torch_compile_model_after_our_loader_does_not_recompile(assets, cond_class, no_adapter):  # noqa: F811
+    for i, strength in enumerate(STRENGTHS):
+        p = Prompt(cond_class)
+        m = p.ours(["1", 0], [(LORA_A, strength)], "dynamic", "lossless")
+        compiled = p.node("30", "TorchCompileModel", model=m, backend="inductor")
+        p.ksampler("5", compiled)
+        p.ksampler("6", m)
+        record, out = run(assets, p)
+        assert_psnr(out["5"], out["6"], f"compiled vs uncompiled at strength {strength}")
+        assert_changed(out["5"], no_adapter, f"compiled at strength {strength}")
+        graphs = (_report_of(record, "5").get("compile") or {}).get("graphs_compiled", 0)
+        if i == 0:
+            assert graphs >= 1, "the first compiled sampling compiled nothing: the compile wrapper did not run"
+        else:
+            assert graphs == 0, f"strength {strength}: torch.compile built {graphs} graphs again (recompiled)"
+        assert not (_report_of(record, "5").get("compile") or {}).get("fallbacks"), "recompile limit hit"
