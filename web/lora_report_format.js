@@ -251,6 +251,30 @@ export const formatFusions = safe((fusions) => {
   return { text, level, title: title.join("\n") };
 }, null);
 
+/**
+ * torch.compile during the sampling: graphs it built, and functions it gave up on (its recompile
+ * limit was hit: they run uncompiled from then on). null when the report has no `compile` entry.
+ */
+export const formatCompile = safe((compile) => {
+  if (!isObj(compile)) return null;
+  const graphs = num(compile.graphs_compiled) ?? 0;
+  const fallbacks = list(compile.fallbacks).filter(isObj);
+  if (fallbacks.length) {
+    const limit = str(fallbacks[0].limit, "recompile_limit");
+    return {
+      text: `⚠ torch.compile gave up on ${fallbacks.length} function${fallbacks.length === 1 ? "" : "s"} (${limit})`,
+      level: "warn",
+      title: [str(compile.message) || `torch.compile hit its ${limit}; these run uncompiled from now on:`,
+        ...fallbacks.map((f) => `  • ${str(f.function, "?")}`)].join("\n"),
+    };
+  }
+  if (graphs > 0) {
+    return { text: `torch.compile built ${graphs} graph${graphs === 1 ? "" : "s"}`, level: "info",
+      title: "Graphs torch.compile compiled during this sampling (a re-sample at another strength builds none)." };
+  }
+  return null;
+}, null);
+
 /** Patch time and seconds per step; null when the report has no timings. */
 export const formatTimings = safe((report) => {
   const r = isObj(report) ? report : {};
@@ -355,6 +379,9 @@ export const formatReport = safe(
         title: "Quality tier and merge mode the sampler ran with.",
       });
     }
+
+    const compiled = formatCompile(report.compile);
+    if (compiled) out.push({ key: "compile", ...compiled });
 
     const timings = formatTimings(report);
     if (timings) out.push({ key: "timings", ...timings });

@@ -134,6 +134,22 @@ test("text-encoder layers are named as such on the coverage badge, not as missin
   assert.match(c.title, /12 text-encoder layers \(36 tensors\) not applied: this node patches the model only/);
 });
 
+test("torch.compile: a recompile-limit fallback is a warning naming the functions; graphs built are info", () => {
+  const fb = { graphs_compiled: 0, message: "torch.compile hit its recompile_limit on 1 function; ...",
+    fallbacks: [{ function: "'forward' (wan.py:10)", limit: "recompile_limit", value: 8 }] };
+  const items = fmt.formatReport({ decision: { chosen: "dynamic" }, adapters: [], compile: fb });
+  const c = items.find((i) => i.key === "compile");
+  assert.equal(c.level, "warn");
+  assert.equal(c.text, "⚠ torch.compile gave up on 1 function (recompile_limit)");
+  assert.match(c.title, /'forward' \(wan.py:10\)/);
+  const g = fmt.formatCompile({ graphs_compiled: 2, fallbacks: [] });
+  assert.equal(g.text, "torch.compile built 2 graphs");
+  assert.equal(g.level, "info");
+  assert.equal(fmt.formatCompile({ graphs_compiled: 0, fallbacks: [] }), null);
+  assert.equal(fmt.formatCompile(undefined), null);
+  assert.ok(!fmt.formatReport({ decision: { chosen: "dynamic" }, adapters: [] }).some((i) => i.key === "compile"));
+});
+
 test("garbage input never throws", () => {
   const cyclic = {};
   cyclic.self = cyclic;
@@ -144,7 +160,7 @@ test("garbage input never throws", () => {
     Symbol("s"), () => 1];
   for (const x of inputs) {
     for (const fn of [fmt.formatReport, fmt.formatCoverage, fmt.formatDecision, fmt.formatFusions,
-      fmt.formatTimings, fmt.formatCoverageList, fmt.payloadFromOutput, fmt.summarize, fmt.formatShare,
+      fmt.formatTimings, fmt.formatCompile, fmt.formatCoverageList, fmt.payloadFromOutput, fmt.summarize, fmt.formatShare,
       fmt.formatSeconds, fmt.formatBytes, fmt.hoverText, fmt.collapsedSummary]) {
       assert.doesNotThrow(() => fn(x), `${fn.name} on ${typeof x}`);
     }
