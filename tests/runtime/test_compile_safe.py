@@ -147,6 +147,14 @@ def test_compile_recompile_limit_fallback_is_reported():
         fb = r["compile"]["fallbacks"]
         assert len(fb) == 1 and "shapes_vary" in fb[0]["function"] and fb[0]["limit"] == "recompile_limit"
         assert fb[0]["value"] == 1
+        try:
+            import jsonschema
+        except ImportError:
+            jsonschema = None
+        if jsonschema is not None:
+            import json
+            schema = json.loads(report.SCHEMA_PATH.read_text())
+            assert [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(r)] == []
         line = [ln for ln in report.text(r).splitlines() if "uncompiled" in ln]
         assert line and "shapes_vary" in line[0] and "recompile_limit" in line[0]
     finally:
