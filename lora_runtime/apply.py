@@ -242,6 +242,8 @@ class LoraInjector:
         except BaseException:
             self.unmerge_all()
             raise
+        for w in wrappers:  # what a compiled call reads, for the final (merged or dynamic) state
+            w.prepare_trace()
         report = ApplyReport(
             tier=p.tier.value,
             decision=decision,

@@ -6,9 +6,10 @@ Contract
   then). Its ``run(x, y)`` adds this call's adapter output to the base output `y`, with the
   same ops in the same order as the general path (`LoraLinear._forward_general`), so every
   tier gives the same bits; ``run`` None: the call adds nothing.
-- `build_trace_plan(lw)`: what a compiled (traced) call reads: tensors only, the factors as
-  fp32 0-d tensors (slot factor, and the adapter's `AdapterCell` for the runtime factor and
-  row mask). `traced_forward` uses it, or the general path when there is none.
+- `build_trace_plan(lw)` (via `LoraLinear.prepare_trace`, after each state transition): what a
+  compiled (traced) call reads: tensors only, the factors as fp32 0-d tensors (slot factor, and
+  the adapter's `AdapterCell` for the runtime factor and row mask). `traced_forward` uses it, or
+  the general path when there is none.
 Design and numerics: docs/engine.md (call plans, torch.compile).
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ class TracePlan:
 
 
 def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
-    """Built on every slot-state change (outside any trace). Enabled, unmerged slots count even at
+    """Built after a state transition (outside any trace). Enabled, unmerged slots count even at
     strength 0 (a factor of 0 then), so a strength change never changes what a trace reads. None
     (compiled calls take the general path, which reads the context and breaks the graph) when a
     live slot has no stack() pair or an output offset, or the layer is a convolution."""

@@ -219,12 +219,18 @@ class LoraLinear(nn.Module):
     def set_strength(self, name: str, strength: float) -> None:
         self._require_unmerged("change a strength")
         self.slots[name].strength = float(strength)
-        self._invalidate()
+        self._live_change()
 
     def set_enabled(self, name: str, enabled: bool) -> None:
         self._require_unmerged("enable/disable an adapter")
         self.slots[name].enabled = bool(enabled)
+        self._live_change()
+
+    def _live_change(self) -> None:
+        prepared = self._trace_plan is not None
         self._invalidate()
+        if prepared:  # a compiled model keeps reading a current trace plan
+            self.prepare_trace()
 
     def set_slots(self, entries) -> None:
         """Make the slots exactly `entries`, in order: (name, layer, strength, enabled, content_hash).
@@ -252,12 +258,17 @@ class LoraLinear(nn.Module):
         self._invalidate()
 
     def _invalidate(self) -> None:
-        """Slot state changed: drop the stacked weights and the call plans, and build what a
-        compiled call reads now (never inside a trace)."""
+        """Slot state changed: drop the stacked weights, the call plans and the trace plan (a
+        compiled call takes the general path until `prepare_trace`)."""
         self._stack_cache.clear()
         self._plan_cache = None
         self._plans.clear()
         self._last_plan = None
+        self._trace_plan = None
+
+    def prepare_trace(self) -> None:
+        """Build what a compiled call reads (tensors only) for the current slot state; called
+        after every state transition (`LoraInjector.apply`), never inside a trace."""
         self._trace_plan = call_plan.build_trace_plan(self)
 
     def _call_plan(self):

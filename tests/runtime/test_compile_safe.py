@@ -182,6 +182,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
         with torch.no_grad():
             base = F.linear(x, lin.weight, lin.bias)
             w.merge(only={"a"})
+            w.prepare_trace()
             assert w._trace_plan is None
             cf = torch.compile(lin, backend="eager")
             with runtime_context(tier="lossless"):
@@ -189,5 +190,38 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
             assert (got - base).abs().max() > 1e-2
             w.unmerge()
+    finally:
+        w.detach()
+
+
+def test_compile_set_strength_on_a_prepared_wrapper_does_not_recompile():
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from testkit.fixtures import lora_pair
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    w = LoraLinear(lin, "l")
+    down, up = lora_pair(24, 16, 4, 1, scale=0.3)
+    w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0), 0.8)
+    w.attach()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        w.prepare_trace()
+        cf = torch.compile(lin, backend=counting, dynamic=False)
+        x = torch.randn(3, 16)
+        with torch.no_grad(), runtime_context(tier="lossless"):
+            for s in (0.8, 0.3, -1.2, 0.0, 2.0):
+                w.set_strength("a", s)
+                got, want = cf(x), lin(x)
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                if s:
+                    assert (got - F.linear(x, lin.weight, lin.bias)).abs().max() > 1e-2
+        assert len(graphs) == 1, f"{len(graphs)} graphs for 5 strengths"
     finally:
         w.detach()
