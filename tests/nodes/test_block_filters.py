@@ -200,3 +200,38 @@ def test_a_filter_that_matches_nothing_fails_before_any_weight_changes(base):
     with pytest.raises(LoraRuntimeError, match=r"blocks entry 'single_blocks.0-3: 1' selects none"):
         LoadLoraAdapter().load(base, "style.safetensors", 1.0, blocks="single_blocks.0-3: 1")
     assert all(torch.equal(w0[k], v) for k, v in _weights(base).items())
+
+
+@pytest.mark.parametrize("tier", ["exact", "lossless"])
+def test_a_layers_strength_is_one_factor_under_scalings_rules(base, tier):
+    """strength x block factor is one strength (scaling.layer_strength): strength 2 with a block factor of
+    0.5 multiplies nothing, as strength 1 does; strength 0.8 x 0.5 multiplies as strength 0.4 does (once in
+    exact), with the same bits.
+    A block factor applied as a factor of its own would add a multiply (the wrong answer)."""
+    from comfyui_lora_runtime.host.bundled import folder_paths
+    from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
+    from comfyui_lora_runtime.lora_runtime.block_filter import parse_blocks
+    from testkit.compare import MulCounter
+
+    dm = base.model.diffusion_model
+    path = folder_paths.get_full_path_or_raise("loras", "style.safetensors")
+
+    def one_call(strength, blocks=None):
+        p = plan(dm, [AdapterSpec(path, strength, "style", blocks=parse_blocks(blocks))], "dynamic", tier)
+        layer = "blocks.0.ffn.0"
+        assert layer in p.adapters[0].layers
+        x = torch.randn(3, dm.get_submodule(layer).in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), applied(dm, p, fusion_backend=None):
+            with MulCounter() as c:
+                y = dm.get_submodule(layer)(x)
+        return c.muls, y
+
+    n_half, y_half = one_call(2.0, "*: 0.5")
+    n_one, y_one = one_call(1.0)
+    assert n_half == n_one and torch.equal(y_half, y_one)
+    if tier == "exact":  # (lossless may fold a strength into the GEMM's alpha: no aten.mul to count)
+        assert n_one == one_call(2.0)[0] - 1
+    n, y = one_call(0.8, "*: 0.5")
+    n_ref, y_ref = one_call(0.4)
+    assert n == n_ref and torch.equal(y, y_ref)
+    assert not torch.equal(y, one_call(0.8)[1])
