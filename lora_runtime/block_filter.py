@@ -34,7 +34,7 @@ from .errors import ConfigError
 from .settings import STRENGTH_MAX, STRENGTH_MIN
 
 INPUT = "blocks"
-_RANGE = re.compile(r"^(?:(?P<family>[A-Za-z_][A-Za-z0-9_]*)\.)?(?P<lo>\d+)(?:\s*-\s*(?P<hi>\d+))?$")
+_RANGE = re.compile(r"^(?:(?P<family>[A-Za-z_]*blocks|layers)\.)?(?P<lo>\d+)(?:\s*-\s*(?P<hi>\d+))?$")
 _BLOCK = re.compile(r"(?:^|\.)(?P<family>[A-Za-z_]*blocks|layers)\.(?P<idx>\d+)(?:\.|$)")
 _NAME = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")
 SYNTAX = ("write entries like '0-9: 0.5, !cross_attn' (block range or name pattern, ':' and a strength; "
