@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from .block_filter import BlockFilter, groups as block_groups
 from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
 from .updates.param_delta import ParamDelta, ParamPatch
 from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .layer.schedule import Branch, Schedule, parse_branch, varies
-from .scaling import combined_factor
+from .scaling import combined_factor, layer_strength
 from .settings import (DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength, parse_merge_mode,
                        parse_restore_memory, parse_tier)
 from .layer.wrapper import LoraLinear, attached_wrapper
@@ -51,6 +52,8 @@ class AdapterSpec:
     branch: Branch = Branch.BOTH
     # the content a loader already read (a sampler then uses exactly that); '' = the file as it is
     content_hash: str = ""
+    # per-block strength and layers left out (see `block_filter`); None: every layer at `strength`
+    blocks: BlockFilter | None = None
 
     @property
     def varies(self) -> str:
@@ -63,8 +66,13 @@ class PlannedAdapter:
     name: str
     spec: AdapterSpec
     adapter: LoraAdapter
-    layers: dict[str, LayerAdapter]   # model module name -> weights
+    layers: dict[str, LayerAdapter]   # model module name -> weights (the layers a block filter keeps)
     coverage: CoverageReport
+    strengths: dict[str, float] = field(default_factory=dict)  # layer -> its strength, where a block filter set one
+    blocks: dict | None = None        # the block filter's report (`block_filter.groups`), None without one
+
+    def strength_of(self, target: str) -> float:
+        return self.strengths.get(target, self.spec.strength)
 
 
 @dataclass
@@ -111,8 +119,21 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
         used.add(name)
         layers, coverage = match_adapter(adapter, model, lenient=spec.lenient)
         coverage.adapter = name  # the report joins coverage and adapters by the planned name
-        planned.append(PlannedAdapter(name, spec, adapter, layers, coverage))
+        strengths, blocks = {}, None
+        if spec.blocks is not None:
+            layers, strengths, blocks = filter_layers(layers, spec.strength, spec.blocks, where=f"adapter {name}")
+        planned.append(PlannedAdapter(name, spec, adapter, layers, coverage, strengths, blocks))
     return Plan(mode, tier, planned, restore=restore)
+
+
+def filter_layers(layers: dict, strength: float, blocks: BlockFilter, *, where: str):
+    """(layers kept, {layer: strength} for those whose block factor is not 1, report dict) of one
+    adapter under its block filter; errors name `where` (see `block_filter`)."""
+    factors, excluded = blocks.resolve(layers, where=where)
+    strengths = {t: check_strength(layer_strength(strength, f), what=f"{where}: strength x block factor of {t}")
+                 for t, f in factors.items() if f != 1.0}
+    report = {"text": blocks.describe(), **block_groups(factors, excluded)}
+    return {t: la for t, la in layers.items() if t in factors}, strengths, report
 
 
 @dataclass
@@ -216,7 +237,7 @@ class LoraInjector:
                     if named is None:
                         named = dict(self.model.named_parameters())
                     params.setdefault(target, ParamPatch(target, named[target])).add(
-                        pa.name, la, pa.spec.strength if pa.spec.enabled else 0.0)
+                        pa.name, la, pa.strength_of(target) if pa.spec.enabled else 0.0)
                 else:
                     wanted.setdefault(target, []).append((pa, la))
         for name in [n for n in self.wrappers if n not in wanted]:
@@ -225,7 +246,7 @@ class LoraInjector:
             w = self.wrappers.get(name) or self._wrap(name)
             w.merge_refusal = p.merge_refusals.get(name, "")
             w.restore_copy = p.restore is RestoreMemory.COPY
-            w.set_slots([(pa.name, la, pa.spec.strength, pa.spec.enabled, pa.adapter.content_hash)
+            w.set_slots([(pa.name, la, pa.strength_of(name), pa.spec.enabled, pa.adapter.content_hash)
                          for pa, la in entries])
         wrappers = [self.wrappers[n] for n in wanted]
         varying = {pa.name: pa.spec.varies for pa in p.adapters if pa.spec.varies}
@@ -252,7 +273,8 @@ class LoraInjector:
                        "enabled": pa.spec.enabled, "format": pa.adapter.format,
                        "layers": len(pa.layers), "kinds": dict(pa.coverage.kinds),
                        **({"schedule": pa.spec.schedule.describe()} if pa.spec.schedule is not None else {}),
-                       **({"branch": pa.spec.branch.value} if pa.spec.branch is not Branch.BOTH else {})}
+                       **({"branch": pa.spec.branch.value} if pa.spec.branch is not Branch.BOTH else {}),
+                       **({"blocks": pa.blocks} if pa.blocks is not None else {})}
                       for pa in p.adapters],
             layers_wrapped=len(self.wrappers),
             restore_memory=p.restore.value,

@@ -38,6 +38,13 @@ def combined_factor(*factors: float) -> float:
     return math.prod(nonunit(*factors), start=1.0)
 
 
+def layer_strength(strength: float, block_factor: float) -> float:
+    """One layer's strength: the adapter's strength times the layer's block factor (a block
+    filter's multiplier). Python floats (fp64), unit factors skipped; the result is the slot's
+    strength, so every tier applies it as it applies a strength."""
+    return combined_factor(strength, block_factor)
+
+
 def _mul(t: torch.Tensor, inplace: bool):
     if inplace and not (torch.is_grad_enabled() and t.requires_grad):
         return lambda d, f: d.mul_(f)

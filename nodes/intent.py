@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..lora_runtime import AdapterSpec
+from ..lora_runtime.block_filter import BlockFilter
 from ..lora_runtime.layer.schedule import Branch, Schedule
 from ..lora_runtime.settings import (DEFAULT_MERGE_MODE, DEFAULT_RESTORE_MEMORY, DEFAULT_TIER, MergeMode, RestoreMemory,
                                      Tier)
@@ -27,10 +28,11 @@ class AdapterIntent:
     schedule: Schedule | None = None   # strength over the denoising (parsed by the node)
     branch: Branch = Branch.BOTH       # which CFG branch the adapter applies to
     content_hash: str = ""             # the content the node read: the sampler uses that, not whatever the file holds later
+    blocks: BlockFilter | None = None  # per-block strength / layers left out (parsed by the node)
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient, schedule=self.schedule,
-                           branch=self.branch, content_hash=self.content_hash)
+                           branch=self.branch, content_hash=self.content_hash, blocks=self.blocks)
 
 
 @dataclass(frozen=True)

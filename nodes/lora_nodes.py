@@ -17,7 +17,9 @@ import time
 from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
 from ..lora_runtime.files.adapter import check_adapter_file
-from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
+from ..lora_runtime.apply import filter_layers
+from ..lora_runtime.block_filter import parse_blocks
+from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule, parse_strength_list
 from ..lora_runtime.settings import (STRENGTH_MAX, STRENGTH_MIN, MergeMode, RestoreMemory, Tier, check_strength,
                                      parse_restore_memory)
 from . import intent, lifecycle, report
@@ -27,6 +29,22 @@ log = logging.getLogger(__name__)
 
 CATEGORY = "loaders/lora runtime"
 UNMATCHED_CHOICES = ("error", "skip and report")
+SCHEDULE_TOOLTIP = (
+    "Optional strength multiplier over the denoising, applied at run time (never re-merged). Empty: constant. "
+    "One value per step: '1, 1, 1, 1, 0, 0, 0, 0' (as many values as the sampler's steps). Keyframes over the "
+    "denoising percentage, ComfyUI's start_percent convention: '0:1, 0.5:0' (percent:multiplier, percents "
+    "increasing; each holds until the next). 'linear 0:1, 0.5:0.3, 1:0': keyframes joined by straight lines over "
+    "the sampling progress (step i of n at i/n; the first keyframe at 0). A schedule that changes keeps the "
+    "adapter dynamic.")
+BLOCKS_TOOLTIP = (
+    "Optional per-block strength and layers left out, multiplied into strength. Entries separated by commas: "
+    "'0-9: 0.5' blocks 0 to 9 at 0.5 (the rest stay at 1); 'double_blocks.0-18: 0.8' one block list (Flux); "
+    "'cross_attn: 0.5' layers whose name contains cross_attn (* ? wildcards); '!cross_attn' leaves those layers "
+    "out; 'only 0-9' keeps only blocks 0-9; '*: 0.5' every layer (later entries override earlier ones). The "
+    "report shows which layers got which strength and how many were left out.")
+STRENGTH_LIST_TOOLTIP = (
+    "Optional FLOAT list from another node (e.g. KJNodes' float lists): one strength multiplier per sampling step, "
+    "as a per-step strength_schedule. Use it or strength_schedule, not both.")
 
 
 class LoadLoraAdapter:
@@ -45,17 +63,13 @@ class LoadLoraAdapter:
                 "tooltip": "error: a key of the file that this model has no layer for stops the run (nothing is "
                            "dropped silently); skip and report: apply the rest and list the skipped keys on the "
                            "report."}),
-            "strength_schedule": ("STRING", {
-                "default": "", "multiline": False,
-                "tooltip": "Optional strength multiplier over the denoising, applied at run time (never re-merged). "
-                           "Empty: constant. One value per step: '1, 1, 1, 1, 0, 0, 0, 0' (as many values as the "
-                           "sampler's steps). Keyframes over the denoising percentage, ComfyUI's start_percent "
-                           "convention: '0:1, 0.5:0' (percent:multiplier, percents increasing; each holds until "
-                           "the next). A schedule that changes keeps the adapter dynamic."}),
+            "strength_schedule": ("STRING", {"default": "", "multiline": False, "tooltip": SCHEDULE_TOOLTIP}),
             "branch": (list(BRANCH_CHOICES), {
                 "default": BRANCH_CHOICES[0],
                 "tooltip": "Which guidance branch the adapter acts on: both, the positive (cond) rows only, or "
                            "the negative (uncond) rows only of each CFG batch. Other than both keeps it dynamic."}),
+            "blocks": ("STRING", {"default": "", "multiline": False, "tooltip": BLOCKS_TOOLTIP}),
+            "strength_list": ("FLOAT", {"forceInput": True, "tooltip": STRENGTH_LIST_TOOLTIP}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -84,22 +98,32 @@ class LoadLoraAdapter:
         return problem or True
 
     def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0], strength_schedule="",
-             branch=BRANCH_CHOICES[0]):
+             branch=BRANCH_CHOICES[0], blocks="", strength_list=None):
         if unmatched_keys not in UNMATCHED_CHOICES:
             raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")
         where = f"Load LoRA Adapter ({lora_name})"
         schedule = parse_schedule(strength_schedule, where=where)  # a malformed schedule stops the run here
+        listed = parse_strength_list(strength_list, where=where)
+        if listed is not None and schedule is not None:
+            raise LoraRuntimeError(f"{where}: strength_list is connected and strength_schedule is set; use one of "
+                                   "them (clear strength_schedule or disconnect strength_list)")
+        schedule = listed or schedule
+        block_filter = parse_blocks(blocks, where=where)  # a malformed filter stops the run here, naming blocks
         branch = parse_branch(branch, where=where)
         lenient = unmatched_keys == UNMATCHED_CHOICES[1]
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
         # names and shapes only: the model is not loaded or patched here
-        _, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
-                                    log_coverage=False)  # no match raises here
-        entry = intent.AdapterIntent(lora_name, path, check_strength(strength, what=f"strength of {lora_name}"),
-                                     lenient, schedule, branch, adapter.content_hash)
+        targets, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
+                                          log_coverage=False)  # no match raises here
+        strength = check_strength(strength, what=f"strength of {lora_name}")
+        shown = coverage.to_dict()
+        if block_filter is not None:  # an entry selecting none of the adapter's layers raises here
+            shown["blocks"] = filter_layers(targets, strength, block_filter, where=where)[2]
+        entry = intent.AdapterIntent(lora_name, path, strength, lenient, schedule, branch, adapter.content_hash,
+                                     block_filter)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
-        return {"ui": {"lora_coverage": [coverage.to_dict()]}, "result": (out,)}
+        return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
 
 
 class LoraMergeMode:

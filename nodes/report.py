@@ -80,6 +80,8 @@ def text(r: dict) -> str:
             lines.append("    " + "; ".join(x for x in (a.get("schedule"), a.get("branch") and f"{a['branch']} branch",
                                                        a.get("schedule_applied") and
                                                        f"applied: {a['schedule_applied']}") if x))
+        if a.get("blocks"):
+            lines.append("    " + blocks_text(a["blocks"]))
     if r.get("params"):
         worst = max(r["params"], key=lambda p: p["share_lost"])
         lines.append(f"  {len(r['params'])} norm/modulation parameters merged (no forward of their own; "
@@ -95,3 +97,13 @@ def text(r: dict) -> str:
         lines.append(f"  {r['compile']['message']}")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)
+
+
+def blocks_text(b: dict) -> str:
+    """One line for a block filter: 'blocks '0-9: 0.5': 20 layers x0.5 (blocks 0-9), 40 x1 (...); 6 left out (...)'."""
+    groups = ", ".join(f"{g['layers']} layer{'s' if g['layers'] != 1 else ''} x{g['factor']:g}"
+                       + (f" ({g['where']})" if g.get("where") else "") for g in b.get("strengths", []))
+    out = f"blocks {b.get('text', '')!r}: {groups}"
+    if b.get("excluded"):
+        out += f"; {b['excluded']} left out" + (f" ({b['excluded_where']})" if b.get("excluded_where") else "")
+    return out

@@ -1,7 +1,8 @@
 """LoRA Stack: several adapters in one node, each row with on/off, strength, schedule and branch.
 
 The rows travel as one JSON STRING input, ``rows``: a list of objects
-``{"on": true, "lora": "style.safetensors", "strength": 1.0, "schedule": "", "branch": "both"}``
+``{"on": true, "lora": "style.safetensors", "strength": 1.0, "schedule": "", "branch": "both",
+"blocks": ""}``
 (every key but ``lora`` optional, unknown keys an error). The editor extension
 (web/lora_stack.js) draws one line of widgets per row with add / remove buttons and
 writes this JSON; API prompts and the command line set it directly.
@@ -18,11 +19,12 @@ import math
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError
+from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN
 from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter
 
-ROW_KEYS = ("on", "lora", "strength", "schedule", "branch")
+ROW_KEYS = ("on", "lora", "strength", "schedule", "branch", "blocks")
 NODE = "LoRA Stack"
 
 
@@ -64,7 +66,11 @@ def parse_rows(text) -> list[dict]:
         branch = r.get("branch", BRANCH_CHOICES[0])
         if branch not in BRANCH_CHOICES:
             raise LoraRuntimeError(f"{where} ({lora}): branch {branch!r}: use one of {', '.join(BRANCH_CHOICES)}")
-        rows.append({"on": on, "lora": lora, "strength": float(strength), "schedule": schedule, "branch": branch})
+        blocks = r.get("blocks", "")
+        if not isinstance(blocks, str):
+            raise LoraRuntimeError(f"{where} ({lora}): blocks must be text like '0-9: 0.5, !cross_attn', got {blocks!r}")
+        rows.append({"on": on, "lora": lora, "strength": float(strength), "schedule": schedule, "branch": branch,
+                     "blocks": blocks})
     return rows
 
 
@@ -84,9 +90,10 @@ class LoraStack:
                 "lora_names": host.lora_names(), "branch_choices": list(BRANCH_CHOICES),
                 "tooltip": "The adapters, one row each, applied in order as chained Load LoRA Adapter nodes. "
                            "In the editor: + Add LoRA, and per row on/off, file, strength, schedule, branch, "
-                           "remove. As text (API, command line): a JSON list of rows "
+                           "blocks, remove. As text (API, command line): a JSON list of rows "
                            '{"on": true, "lora": "x.safetensors", "strength": 1.0, "schedule": "", '
-                           '"branch": "both"}.'}),
+                           '"branch": "both", "blocks": ""}. schedule and blocks take what Load LoRA Adapter\'s '
+                           "strength_schedule and blocks take, e.g. 'linear 0:1, 1:0' and '0-9: 0.5, !cross_attn'."}),
         }, "optional": {
             "unmatched_keys": (list(UNMATCHED_CHOICES), {
                 "default": UNMATCHED_CHOICES[0],
@@ -115,8 +122,9 @@ class LoraStack:
             ok = LoadLoraAdapter.VALIDATE_INPUTS(lora_name=r["lora"])
             if ok is not True:
                 return f"{NODE} row {i} ({r['lora']}): {ok}"
-            try:  # the schedule's form: every row lives in this one input, so its error is this input's
+            try:  # the schedule's and blocks' form: every row lives in this one input, so their errors are its
                 parse_schedule(r["schedule"], where=f"{NODE} row {i} ({r['lora']})")
+                parse_blocks(r["blocks"], where=f"{NODE} row {i} ({r['lora']})")
             except LoraRuntimeError as e:
                 return str(e)
         return True
@@ -130,7 +138,7 @@ class LoraStack:
                 continue
             try:
                 out = loader.load(model, r["lora"], r["strength"], unmatched_keys=unmatched_keys,
-                                  strength_schedule=r["schedule"], branch=r["branch"])
+                                  strength_schedule=r["schedule"], branch=r["branch"], blocks=r["blocks"])
             except (LoraRuntimeError, ValueError, FileNotFoundError) as e:
                 raise LoraRuntimeError(f"{NODE} row {i} ({r['lora']}): {e}") from e
             model = out["result"][0]

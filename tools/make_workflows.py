@@ -53,7 +53,8 @@ def signature(class_type: str, classes: dict):
     for section in ("required", "optional"):
         for name, s in (spec.get(section) or {}).items():
             t = s[0]
-            if isinstance(t, str) and t in SOCKET_TYPES:
+            opts = s[1] if len(s) > 1 and isinstance(s[1], dict) else {}
+            if isinstance(t, str) and (t in SOCKET_TYPES or opts.get("forceInput")):  # a socket, never a widget
                 sockets.append((name, t))
             else:
                 opts = s[1] if len(s) > 1 else {}
@@ -120,7 +121,7 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
     if adapter:
         n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength,
                                          "unmatched_keys": "error", "strength_schedule": schedule,
-                                         "branch": "both"})
+                                         "branch": "both", "blocks": ""})
         n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode, "restore_memory": "lean"})
         model = (3, 0)
         layout.update({2: (1, 0), 3: (2, 0)})
@@ -141,7 +142,7 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
 def _template(about, loader_nodes, model, clip, vae, latent, pos_text, neg_text, sampler, save, lora, extra=None):
     n = dict(loader_nodes)
     n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0, "unmatched_keys": "error",
-                                        "strength_schedule": "", "branch": "both"})
+                                        "strength_schedule": "", "branch": "both", "blocks": ""})
     n[21] = ("LoraRuntimeMergeMode", {"model": (20, 0), "mode": "auto", "restore_memory": "lean"})
     n[22] = ("LoraRuntimeQualityTier", {"model": (21, 0), "tier": "lossless"})
     n[23] = ("CLIPTextEncode", {"clip": clip, "text": pos_text})

@@ -326,6 +326,15 @@ export const formatCoverageList = safe((coverageList) => {
   return warning ? [...items, warning] : items;
 }, []);
 
+/** An adapter's block filter for the badge's title: the text, layers per factor, layers left out. */
+function blocksText(b) {
+  if (!isObj(b)) return "";
+  const groups = list(b.strengths).filter(isObj).map((g) =>
+    `${Number(g.layers)} layers x${Number(g.factor)}${g.where ? ` (${str(g.where)})` : ""}`);
+  const out = Number(b.excluded) > 0 ? `; ${Number(b.excluded)} left out${b.excluded_where ? ` (${str(b.excluded_where)})` : ""}` : "";
+  return `blocks '${str(b.text)}': ${groups.join(", ")}${out}`;
+}
+
 /** The ordered badge list for the LoRA Sampler node. [] for null/undefined. */
 export const formatReport = safe(
   (report) => {
@@ -354,9 +363,11 @@ export const formatReport = safe(
       const title = [cov.title, path ? `file: ${path}` : "", ad.format ? `format: ${str(ad.format)}` : "",
         ad.schedule ? `strength schedule: ${str(ad.schedule)}` : "",
         ad.branch ? `branch: ${str(ad.branch)}` : "",
-        ad.schedule_applied ? `applied: ${str(ad.schedule_applied)}` : ""]
+        ad.schedule_applied ? `applied: ${str(ad.schedule_applied)}` : "",
+        blocksText(ad.blocks)]
         .filter(Boolean).join("\n");
       if (ad.schedule || ad.branch) text += ad.branch ? ` · ${str(ad.branch)}` : " · scheduled";
+      if (isObj(ad.blocks)) text += ` · blocks${Number(ad.blocks.excluded) > 0 ? ` (${ad.blocks.excluded} left out)` : ""}`;
       adapterItems.push({ key: `adapter:${i}`, text, level, title });
     });
     out.push(...adapterItems);

@@ -1,9 +1,9 @@
 // Editor rows of the LoRA Stack node (comfyui-lora-runtime).
 //
 // The node's one real input is `rows`, a JSON list of
-// {"on", "lora", "strength", "schedule", "branch"} (see nodes/stack_node.py). Here that
-// text widget is hidden and each row is drawn as ComfyUI's own widgets - on/off toggle,
-// LoRA file, strength, schedule, branch and a remove button - with "+ Add LoRA" below.
+// {"on", "lora", "strength", "schedule", "branch", "blocks"} (see nodes/stack_node.py). Here
+// that text widget is hidden and each row is drawn as ComfyUI's own widgets - on/off toggle,
+// LoRA file, strength, schedule, branch, blocks and a remove button - with "+ Add LoRA" below.
 // Every edit writes the JSON back into `rows`, so the saved workflow, the API prompt and
 // a node without this extension all carry the same text. The row widgets are not
 // serialized (the JSON is the one record) and are rebuilt from it when a workflow loads.
@@ -45,6 +45,7 @@ export function parseRows(text) {
     strength: Number.isFinite(Number(r.strength)) && r.strength !== null && r.strength !== "" ? Number(r.strength) : 1.0,
     schedule: typeof r.schedule === "string" ? r.schedule : "",
     branch: typeof r.branch === "string" ? r.branch : BRANCHES[0],
+    blocks: typeof r.blocks === "string" ? r.blocks : "",
   }));
 }
 
@@ -52,7 +53,7 @@ export function parseRows(text) {
 export function serializeRows(rows) {
   return JSON.stringify(rows.map((r) => ({
     on: r.on !== false, lora: String(r.lora ?? ""), strength: Number(r.strength),
-    schedule: String(r.schedule ?? ""), branch: String(r.branch ?? BRANCHES[0]),
+    schedule: String(r.schedule ?? ""), branch: String(r.branch ?? BRANCHES[0]), blocks: String(r.blocks ?? ""),
   })));
 }
 
@@ -136,6 +137,7 @@ export function rebuild(node) {
     addRowWidget(node, { row: i, key: "schedule" }, "text", `${n} schedule`, row.schedule, set("schedule"));
     addRowWidget(node, { row: i, key: "branch" }, "combo", `${n} branch`, row.branch, set("branch"),
       { values: branchChoices });
+    addRowWidget(node, { row: i, key: "blocks" }, "text", `${n} blocks`, row.blocks, set("blocks"));
     addRowWidget(node, { row: i, key: "remove" }, "button", `✕ remove LoRA ${n}`, null, () => removeRow(node, i));
   });
   addRowWidget(node, { row: -1, key: "add" }, "button", "+ Add LoRA", null, () => addRow(node));
@@ -146,7 +148,8 @@ export function rebuild(node) {
 export function addRow(node) {
   const st = stateOf(node);
   const last = st.rows[st.rows.length - 1];
-  st.rows.push({ on: true, lora: last?.lora ?? loraNames[0] ?? "", strength: 1.0, schedule: "", branch: BRANCHES[0] });
+  st.rows.push({ on: true, lora: last?.lora ?? loraNames[0] ?? "", strength: 1.0, schedule: "", branch: BRANCHES[0],
+    blocks: "" });
   write(node);
   rebuild(node);
 }

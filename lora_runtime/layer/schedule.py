@@ -1,8 +1,11 @@
 """Strength over the steps and per guidance branch, without re-merging.
 
 Contract
-- `parse_schedule` reads a per-step list (``"1, 1, 0, 0"``) or ``percent:multiplier`` keyframes
-  (``"0:1, 0.5:0"``); `parse_branch` one of ``both``, ``positive only``, ``negative only``.
+- `parse_schedule` reads a per-step list (``"1, 1, 0, 0"``), ``percent:multiplier`` keyframes
+  held until the next (``"0:1, 0.5:0"``) or, after the word ``linear``, keyframes interpolated
+  linearly over the sampling progress (``"linear 0:1, 0.5:0.3, 1:0"``: step i of n is at i/n);
+  `parse_strength_list` a FLOAT list from another node (one multiplier per step); `parse_branch`
+  one of ``both``, ``positive only``, ``negative only``.
 - An adapter's multiplier at a model call is its runtime scale there (dynamic path only; a unit
   factor is never multiplied); a branch gives a per-row 0/1 mask over a batched CFG call.
 - `SamplingSchedules` maps each call's sigma to its step and factors; `model_call_context`
@@ -47,11 +50,23 @@ def parse_branch(value, *, where: str = "Load LoRA Adapter") -> Branch:
 class Schedule:
     """A strength multiplier over the denoising: per step, or keyframes over percent.
 
-    Exactly one of `per_step` / `keyframes` is set. `text` is what the user typed."""
+    Exactly one of `per_step` / `keyframes` is set. `text` is what the user typed.
+    `linear`: keyframes interpolated over the progress i/n of step i of n (the first at 0),
+    else each held from its percent of the denoising until the next."""
 
     per_step: tuple[float, ...] = ()
     keyframes: tuple[tuple[float, float], ...] = ()   # (percent, multiplier), percent increasing
     text: str = ""
+    linear: bool = False
+
+    def at_progress(self, p: float) -> float:
+        """A linear schedule's multiplier at progress `p` (python floats, one formula:
+        v0 + (v1 - v0) * ((p - p0) / (p1 - p0)) on the segment holding p; the last value after it)."""
+        kf = self.keyframes
+        for (p0, v0), (p1, v1) in zip(kf, kf[1:]):
+            if p0 <= p < p1:
+                return v0 if v1 == v0 else v0 + (v1 - v0) * ((p - p0) / (p1 - p0))
+        return kf[-1][1] if p >= kf[-1][0] else kf[0][1]
 
     @property
     def values(self) -> tuple[float, ...]:
@@ -72,7 +87,7 @@ class Schedule:
     def describe(self) -> str:
         if self.per_step:
             return f"per step ({len(self.per_step)} values): {_short(self.per_step)}"
-        return "keyframes " + ", ".join(f"{p:g}:{v:g}" for p, v in self.keyframes)
+        return ("linear keyframes " if self.linear else "keyframes ") + ", ".join(f"{p:g}:{v:g}" for p, v in self.keyframes)
 
 
 def parse_schedule(text, *, where: str = "Load LoRA Adapter") -> Schedule | None:
@@ -85,6 +100,13 @@ def parse_schedule(text, *, where: str = "Load LoRA Adapter") -> Schedule | None
     src = str(text).strip()
     if not src:
         return None
+    head, _, rest = src.partition(" ")
+    linear = head.lower() == "linear"
+    if linear or head.lower() == "hold":
+        src = rest.strip()
+        if not src:
+            raise ConfigError(f"{where}: strength_schedule {text!r}: '{head}' needs keyframes after it, like "
+                              "'linear 0:1, 0.5:0.3, 1:0'")
     src_list = src[1:-1] if src.startswith("[") and src.endswith("]") else src
     parts = [p for p in src_list.replace(";", ",").replace("\n", ",").split(",")]
     parts = [p.strip() for p in parts]
@@ -113,13 +135,52 @@ def parse_schedule(text, *, where: str = "Load LoRA Adapter") -> Schedule | None
                 raise ConfigError(f"{where}: strength_schedule keyframes must have strictly increasing percents; "
                                   f"{p!r} comes after {kfs[-1][0]:g}. Sort them and drop duplicates")
             kfs.append((pct, val))
-        return Schedule(keyframes=tuple(kfs), text=src)
+        if linear and kfs[0][0] != 0.0:
+            raise ConfigError(f"{where}: strength_schedule {text!r}: linear keyframes start at percent 0; add "
+                              f"'0:<multiplier>' first (e.g. 'linear 0:1, {src}')")
+        return Schedule(keyframes=tuple(kfs), text=str(text).strip(), linear=linear)
+    if linear:
+        raise ConfigError(f"{where}: strength_schedule {text!r}: 'linear' interpolates percent:multiplier keyframes "
+                          "('linear 0:1, 0.5:0.3, 1:0'); a per-step list needs no 'linear'")
     vals = []
     for i, p in enumerate(parts):
         v = _number(p, where, src, f"step {i + 1} value")
         _check_value(v, where, f"step {i + 1} value {p!r}")
         vals.append(v)
     return Schedule(per_step=tuple(vals), text=src)
+
+
+def parse_strength_list(value, *, where: str = "Load LoRA Adapter", what: str = "strength_list"
+                        ) -> Schedule | None:
+    """A FLOAT list from another node (a list/tuple of numbers, or a 1-D tensor) as a per-step
+    schedule; None when nothing is connected. A lone number is an error: it is what a node whose
+    output is a list of separate values sends, and this node would then run once per value."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ConfigError(f"{where}: {what} is a tensor of shape {tuple(value.shape)}; connect a 1-D list of "
+                              "floats (one multiplier per step)")
+        value = value.tolist()
+    elif hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # numpy arrays
+        value = value.tolist()
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {what} got the single number {value!r}, not a list. Connect an output that "
+                          "carries the whole list as one FLOAT value (e.g. KJNodes' float lists); an output marked "
+                          "as a list of separate values runs this node once per value. For one multiplier use "
+                          "strength")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{where}: {what} must be a non-empty list of floats (one multiplier per step), got "
+                          f"{value!r:.80}")
+    vals = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{where}: {what} value {i + 1} ({v!r}) is not a finite number")
+        if not STRENGTH_MIN <= v <= STRENGTH_MAX:
+            raise ConfigError(f"{where}: {what} value {i + 1} ({v:g}) is out of range; use multipliers in "
+                              f"[{STRENGTH_MIN:g}, {STRENGTH_MAX:g}]")
+        vals.append(float(v))
+    return Schedule(per_step=tuple(vals), text=f"FLOAT list ({len(vals)} values): {_short(vals)}")
 
 
 class SamplingSchedules:
@@ -143,7 +204,7 @@ class SamplingSchedules:
                     f"{where.get(name, 'Load LoRA Adapter')} ({name}): strength_schedule has {len(sched.per_step)} "
                     f"values but this sampler runs {self.steps} steps. Give one value per step, or use keyframes "
                     "over the denoising percentage ('0:1, 0.5:0'), which fit any step count")
-            if sched is not None and sched.keyframes:
+            if sched is not None and sched.keyframes and not sched.linear:
                 if percent_to_sigma is None:
                     raise ConfigError(f"{where.get(name, 'Load LoRA Adapter')} ({name}): keyframes need the model's "
                                       "percent_to_sigma, which this model does not have; use a per-step list")
@@ -172,6 +233,8 @@ class SamplingSchedules:
             return 1.0
         if sched.per_step:
             return sched.per_step[self.step_of(sigma)]
+        if sched.linear:  # the progress of the call's step: step i of n at i/n
+            return sched.at_progress(self.step_of(sigma) / self.steps)
         value = 1.0  # before the first keyframe: ComfyUI's 1.0
         for (_, v), start_sigma in zip(sched.keyframes, thresholds):
             if start_sigma >= sigma:

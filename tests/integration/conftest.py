@@ -332,7 +332,22 @@ class ZZLoraRuntimeTestWeightState:
         return {"ui": {"zz_weight_state": [state]}}
 
 
+class ZZLoraRuntimeTestFloatList:
+    # A whole list of floats as one FLOAT value, as other packs' float-list nodes send it.
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"values": ("STRING", {"default": "1.0"})}}
+
+    RETURN_TYPES = ("FLOAT",)
+    FUNCTION = "run"
+    CATEGORY = "_for_testing"
+
+    def run(self, values):
+        return ([float(v) for v in values.split(",")],)
+
+
 NODE_CLASS_MAPPINGS.update({
+    "ZZLoraRuntimeTestFloatList": ZZLoraRuntimeTestFloatList,
     "ZZLoraRuntimeTestLatentTag": ZZLoraRuntimeTestLatentTag,
     "ZZLoraRuntimeTestPartialLoad": ZZLoraRuntimeTestPartialLoad,
     "ZZLoraRuntimeTestUnloadMidRun": ZZLoraRuntimeTestUnloadMidRun,

@@ -241,3 +241,20 @@ test("coverage title counts keys as keys and lists the update types of non-LoRA 
   const plain = fmt.formatCoverage({ adapter: "a", matched: 2, file_layers: 2, kinds: { lora: 2 } });
   assert.doesNotMatch(plain.title, /targets by type/);
 });
+
+test("a block-filtered adapter says so on its badge and lists the layers per strength on hover", () => {
+  const items = fmt.formatReport({
+    decision: { requested: "auto", chosen: "merge", share_lost: 0, reason: "" },
+    adapters: [{ name: "b.safetensors", strength: 0.8, coverage: { adapter: "b.safetensors", matched: 20, file_layers: 20 },
+      blocks: { text: "0: 0.5, !cross_attn", excluded: 8, excluded_where: "blocks 0-1",
+        strengths: [{ factor: 0.5, layers: 6, where: "blocks 0" }, { factor: 1, layers: 6, where: "blocks 1" }] } },
+    { name: "plain.safetensors", strength: 1, coverage: { adapter: "plain.safetensors", matched: 3, file_layers: 3 } }],
+    fusions: { mounted: 0, sites: [], skipped: 0, skip_reasons: [] },
+  });
+  const a = items.find((i) => i.key === "adapter:0");
+  assert.match(a.text, /blocks \(8 left out\)/);
+  assert.match(a.title, /blocks '0: 0\.5, !cross_attn': 6 layers x0\.5 \(blocks 0\), 6 layers x1 \(blocks 1\); 8 left out \(blocks 0-1\)/);
+  const plain = items.find((i) => i.key === "adapter:1");
+  assert.doesNotMatch(plain.text, /blocks/);
+  assert.doesNotMatch(plain.title, /blocks/);
+});

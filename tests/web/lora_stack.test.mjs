@@ -84,10 +84,10 @@ test("a new node: the rows text hidden, one + Add LoRA button, no row", () => {
 test("add, edit and remove rows: the JSON the node reads follows every edit", () => {
   const node = create();
   click(node, "+ Add LoRA");
-  assert.deepEqual(rowsOf(node), [{ on: true, lora: "style.safetensors", strength: 1, schedule: "", branch: "both" }]);
+  assert.deepEqual(rowsOf(node), [{ on: true, lora: "style.safetensors", strength: 1, schedule: "", branch: "both", blocks: "" }]);
   assert.deepEqual(node.widgets.slice(2).map((w) => [w.type, w.name]), [
     ["toggle", "LoRA 1"], ["combo", "1 file"], ["number", "1 strength"], ["text", "1 schedule"],
-    ["combo", "1 branch"], ["button", "✕ remove LoRA 1"], ["button", "+ Add LoRA"]]);
+    ["combo", "1 branch"], ["text", "1 blocks"], ["button", "✕ remove LoRA 1"], ["button", "+ Add LoRA"]]);
   assert.deepEqual(widget(node, "1 file").options.values, ["style.safetensors", "sub/second.safetensors"]);
   assert.deepEqual(widget(node, "1 branch").options.values, ["both", "positive only", "negative only"]);
   click(node, "+ Add LoRA");
@@ -95,13 +95,15 @@ test("add, edit and remove rows: the JSON the node reads follows every edit", ()
   widget(node, "2 strength").callback(-0.5);
   widget(node, "2 schedule").callback("0:1, 0.5:0");
   widget(node, "2 branch").callback("positive only");
+  widget(node, "1 blocks").callback("0-9: 0.5, !cross_attn");
   widget(node, "LoRA 1").callback(false);
   assert.deepEqual(rowsOf(node), [
-    { on: false, lora: "style.safetensors", strength: 1, schedule: "", branch: "both" },
-    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only" }]);
+    { on: false, lora: "style.safetensors", strength: 1, schedule: "", branch: "both",
+      blocks: "0-9: 0.5, !cross_attn" },
+    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only", blocks: "" }]);
   click(node, "✕ remove LoRA 1");
   assert.deepEqual(rowsOf(node), [
-    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only" }]);
+    { on: true, lora: "sub/second.safetensors", strength: -0.5, schedule: "0:1, 0.5:0", branch: "positive only", blocks: "" }]);
   assert.equal(widget(node, "1 file").value, "sub/second.safetensors"); // renumbered
   assert.equal(widget(node, "2 file"), undefined);
   assert.ok(node.size[1] >= node.computeSize()[1]); // the node grew / shrank with its rows
@@ -127,7 +129,7 @@ test("a loaded workflow: rows rebuilt from the saved text", () => {
   assert.equal(widget(node, "2 file").value, "gone.safetensors"); // a file not in the folder is kept, shown first
   assert.deepEqual(widget(node, "2 file").options.values, ["gone.safetensors", "style.safetensors",
     "sub/second.safetensors"]);
-  assert.deepEqual(rowsOf(node)[1], { on: true, lora: "gone.safetensors", strength: 1, schedule: "", branch: "both" });
+  assert.deepEqual(rowsOf(node)[1], { on: true, lora: "gone.safetensors", strength: 1, schedule: "", branch: "both", blocks: "" });
 });
 
 test("a rows text that is not a list of rows stays visible as text, with no row widgets", () => {
@@ -146,7 +148,7 @@ test("a rows text that is not a list of rows stays visible as text, with no row 
 
 test("serializeRows writes the keys nodes/stack_node.py reads, in a fixed order", () => {
   const text = stack.serializeRows([{ lora: "a.safetensors", strength: "0.5" }]);
-  assert.equal(text, '[{"on":true,"lora":"a.safetensors","strength":0.5,"schedule":"","branch":"both"}]');
+  assert.equal(text, '[{"on":true,"lora":"a.safetensors","strength":0.5,"schedule":"","branch":"both","blocks":""}]');
   assert.deepEqual(stack.parseRows(text), JSON.parse(text));
 });
 
