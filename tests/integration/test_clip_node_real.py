@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
-
-from conftest import comfyui_dir, comfyui_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,8 +76,8 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-def test_model_clip_node_on_a_comfyui_clip_equals_comfyuis_lora_loader(tmp_path):
-    comfy = comfyui_dir()
+def test_model_clip_node_on_a_comfyui_clip_equals_comfyuis_lora_loader(tmp_path, comfy_checkout):
+    comfy, python = comfy_checkout
     pk = tmp_path / "pk"
     pk.mkdir()
     (pk / "comfyui_lora_runtime").symlink_to(REPO)
@@ -88,7 +85,7 @@ def test_model_clip_node_on_a_comfyui_clip_equals_comfyuis_lora_loader(tmp_path)
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(pk)}
-    proc = subprocess.run([comfyui_python(comfy), str(script), str(comfy), str(tmp_path / "loras")], cwd=str(comfy),
+    proc = subprocess.run([python, str(script), str(comfy), str(tmp_path / "loras")], cwd=str(comfy),
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
