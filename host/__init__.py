@@ -36,13 +36,13 @@ REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
     from .comfy_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
-                             apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
-                             send_report)
+                             apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
+                             scheduler_names, send_report)
     NAME = "comfyui"
 else:
     from .bundled_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
-                               apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
-                               send_report)
+                               apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
+                               scheduler_names, send_report)
     NAME = "bundled"
 
 

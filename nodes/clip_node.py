@@ -76,7 +76,8 @@ class LoadLoraAdapterModelClip:
         return {"required": required, "optional": optional}
 
     RETURN_TYPES = ("MODEL", "CLIP")
-    OUTPUT_TOOLTIPS = ("The model with this adapter added (exactly as Load LoRA Adapter adds it).",
+    OUTPUT_TOOLTIPS = ("The model with this adapter added, exactly as Load LoRA Adapter adds it: any sampler that "
+                       "samples it applies it and restores the weights afterwards.",
                        "The CLIP with the file's text-encoder layers patched on.")
     FUNCTION = "load"
     CATEGORY = CATEGORY
@@ -121,6 +122,7 @@ class LoadLoraAdapterModelClip:
             parse_schedule(model_inputs.get("strength_schedule", ""), where=where)  # the inputs are still checked
             if "branch" in model_inputs:
                 parse_branch(model_inputs["branch"], where=where)
+            check_strength(strength_model, what=f"strength_model of {lora_name}")
             new_model = model
             coverage = {"adapter": lora_name, "format": adapter.format, "matched": 0, "unmatched": 0,
                         "file_layers": 0, "model_linears": 0, "notes": ["no diffusion-model layers in the file: "

@@ -27,7 +27,7 @@ class AdapterIntent:
     schedule: Schedule | None = None   # strength over the denoising (parsed by the node)
     branch: Branch = Branch.BOTH       # which CFG branch the adapter applies to
     content_hash: str = ""             # the content the node read: the sampler uses that, not whatever the file holds later
-    clip: str = ""                     # what a model + CLIP loader did with the file's text-encoder layers (report line)
+    clip: str = ""                     # model + CLIP loader: what it did with the file's text-encoder layers
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient, schedule=self.schedule,

@@ -4,6 +4,7 @@ unpatched CLIP), the model part is exactly Load LoRA Adapter's, a text-encoder-o
 works here (the model-only loader still refuses it), layers the CLIP has no place for
 follow unmatched_keys with layer and tensor counts, and the CLIP's weights are untouched."""
 import copy
+import json
 
 import pytest
 import torch
@@ -71,6 +72,9 @@ def test_registered_with_a_display_name():
     assert NODE_DISPLAY_NAME_MAPPINGS["LoraRuntimeLoadAdapterModelClip"] == "Load LoRA Adapter (model + CLIP)"
     req = LoadLoraAdapterModelClip.INPUT_TYPES()["required"]
     assert list(req)[:5] == ["model", "clip", "lora_name", "strength_model", "strength_clip"]
+    spec = LoadLoraAdapterModelClip.INPUT_TYPES()
+    assert all(v[1].get("tooltip") for g in ("required", "optional") for v in spec[g].values())
+    assert len(LoadLoraAdapterModelClip.OUTPUT_TOOLTIPS) == len(LoadLoraAdapterModelClip.RETURN_TYPES) == 2
     # the model loader's optional inputs carry over
     assert set(LoadLoraAdapter.INPUT_TYPES()["optional"]) <= set(LoadLoraAdapterModelClip.INPUT_TYPES()["optional"])
 
@@ -97,6 +101,9 @@ def test_text_encoder_part_equals_a_hand_merge_and_the_model_part_equals_load_lo
     assert torch.equal(y, _sample(only)[0])
     assert "8 text-encoder layers (24 tensors) applied to the CLIP (x0.7)" in report.text(rep)
     assert "this node patches the model only" not in report.text(rep)
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(report.SCHEMA_PATH.read_text())
+    assert [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(rep)] == []
     cov = out["ui"]["lora_coverage"][0]
     assert (cov["text_encoder_applied_layers"], cov["text_encoder_applied_tensors"]) == (8, 24)
     assert cov["text_encoder_layers"] == 0 and not any("model only" in n for n in cov["notes"])
@@ -175,3 +182,42 @@ def test_clips_stack_on_clones_and_the_bundled_loader_and_encoder_run_it(base, l
     twice = LoadLoraAdapterModelClip().load(base, once, "te0.safetensors", 1.0, 0.5)["result"][1]
     torch.testing.assert_close(twice.encode(PROMPT)[0][0], _hand_merged(clip, ref, 1.0), rtol=1e-5, atol=1e-5)
     assert len(once.patches[f"{PREFIX}.0.mlp.fc1.weight"]) == 1  # the second load patched a clone
+
+
+class CaptureCond:
+    OUTPUT_NODE = True
+    RETURN_TYPES = ()
+    FUNCTION = "go"
+    seen: list = []
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",)}}
+
+    def go(self, conditioning):
+        CaptureCond.seen.append(conditioning[0][0].clone())
+        return {"ui": {"n": [1]}}
+
+
+def test_a_bundled_host_graph_loads_the_clip_applies_the_file_and_encodes(folders, models_dir, loras):
+    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from testkit.nodes_helpers import CLASSES
+    clip = _clip()
+    (models_dir / "text_encoders").mkdir(exist_ok=True)
+    save_file(clip.cond_stage_model.state_dict(), str(models_dir / "text_encoders" / "tiny_clip.safetensors"))
+    te, ref = _te_file(clip)
+    save_file(te, str(loras / "te_only.safetensors"))
+    prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "tiny_clip.safetensors", "type": "stable_diffusion"}},
+        "3": {"class_type": "LoraRuntimeLoadAdapterModelClip",
+              "inputs": {"model": ["1", 0], "clip": ["2", 0], "lora_name": "te_only.safetensors",
+                         "strength_model": 1.0, "strength_clip": 0.6}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["3", 1]}},
+        "5": {"class_type": "CaptureCond", "inputs": {"conditioning": ["4", 0]}},
+    }
+    CaptureCond.seen.clear()
+    res = execute_prompt(prompt, {**CLASSES, "CaptureCond": CaptureCond}, folders=folders)
+    torch.testing.assert_close(CaptureCond.seen[-1], _hand_merged(clip, ref, 0.6), rtol=1e-5, atol=1e-5)
+    assert (CaptureCond.seen[-1] - clip.encode(PROMPT)[0][0]).abs().max() > 1e-3
+    assert res.ui["3"]["lora_coverage"][0]["text_encoder_applied_layers"] == 8
