@@ -114,8 +114,9 @@ class LoraMergeMode:
             "restore_memory": ([m.value for m in RestoreMemory], {"default": RestoreMemory.LEAN.value, "tooltip":
                                "What a merge keeps to put the weights back bit for bit after sampling. lean: only "
                                "the few values a recomputation misses (about 1 % of a weight); copy: a full copy "
-                               "of each merged weight (in CPU memory for a GPU weight), so switching adapters is "
-                               "about twice as fast, at one copy of every adapted weight."}),
+                               "of each merged weight (in CPU memory for a GPU weight), so restoring is a copy "
+                               "instead of a recomputation: faster adapter switching, at one copy of every merged "
+                               "weight."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
