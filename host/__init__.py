@@ -6,6 +6,8 @@ functions, so node code never cares which host runs it:
 
 - `lora_names()`, `resolve_lora(name)`: the `loras` model folder;
 - `diffusion_model(model)`: the nn.Module inside a MODEL (patcher);
+- `apply_clip_lora(clip, adapter, strength)`: the adapter's text-encoder layers on a clone
+  of a CLIP, as the host's own LoraLoader applies them -> (clip, applied, skipped);
 - `sample(model, ...)`: the host's KSampler (seeded noise, sigmas, sampler) -> LATENT;
 - `sampler_names()`, `scheduler_names()`;
 - `InterruptProcessingException`: what an interrupt raises through sampling;
@@ -34,13 +36,13 @@ REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
     from .comfy_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
-                             diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
-                             send_report)
+                             apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
+                             scheduler_names, send_report)
     NAME = "comfyui"
 else:
     from .bundled_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
-                               diffusion_model, lora_names, resolve_lora, sample, sampler_names, scheduler_names,
-                               send_report)
+                               apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
+                               scheduler_names, send_report)
     NAME = "bundled"
 
 

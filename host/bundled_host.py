@@ -37,3 +37,20 @@ def sampler_names() -> list[str]:
 
 def scheduler_names() -> list[str]:
     return _scheduler_names()
+
+
+def apply_clip_lora(clip, adapter, strength: float):
+    """(a clone of `clip` with the adapter's text-encoder layers patched on at `strength`,
+    {file layer: weight keys patched}, {file layer: why not applied}). `clip` is untouched."""
+    from .bundled.clip import load_lora, lora_key_map
+
+    model = clip.cond_stage_model
+    patches, skipped = load_lora(adapter.text_encoder, lora_key_map(model), model)
+    new = clip.clone()
+    taken = set(new.add_patches(patches, strength))
+    key_map = lora_key_map(model)
+    applied = {s: [key_map[s]] for s in adapter.text_encoder if s not in skipped and key_map[s] in taken}
+    for s in adapter.text_encoder:
+        if s not in applied and s not in skipped:
+            skipped[s] = "the CLIP did not take the patch"
+    return new, applied, skipped

@@ -79,3 +79,29 @@ def sampler_names() -> list[str]:
 
 def scheduler_names() -> list[str]:
     return list(comfy.samplers.KSampler.SCHEDULERS)
+
+
+def apply_clip_lora(clip, adapter, strength: float):
+    """ComfyUI's own CLIP path of LoraLoader (`comfy.sd.load_lora_for_models`), for the file's
+    text-encoder tensors only: its key map of this CLIP (CLIP-L/G, T5, ...), its conversion,
+    its `load_lora` and ``clip.clone().add_patches``. Returns (the patched clone, {file layer:
+    weight keys ComfyUI patched}, {file layer: why not}); `clip` is untouched."""
+    import comfy.lora
+    import comfy.lora_convert
+
+    key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, {})
+    tensors = adapter.text_encoder_tensors
+    loaded = comfy.lora.load_lora(comfy.lora_convert.convert_lora(dict(tensors)), key_map, log_missing=False)
+    new = clip.clone()
+    taken = set(new.add_patches(loaded, strength))
+    applied, skipped = {}, {}
+    for stem, la in adapter.text_encoder.items():  # which file layers ComfyUI took: each one on its own
+        own = comfy.lora.load_lora(comfy.lora_convert.convert_lora({k: tensors[k] for k in la.keys}), key_map,
+                                   log_missing=False)
+        targets = sorted(k for k in own if k in taken)
+        if targets:
+            applied[stem] = targets
+        else:
+            skipped[stem] = ("no such layer in this CLIP (ComfyUI's key map for it has no entry)" if not own
+                             else "this CLIP did not take the patch")
+    return new, applied, skipped

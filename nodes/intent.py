@@ -29,6 +29,7 @@ class AdapterIntent:
     branch: Branch = Branch.BOTH       # which CFG branch the adapter applies to
     content_hash: str = ""             # the content the node read: the sampler uses that, not whatever the file holds later
     blocks: BlockFilter | None = None  # per-block strength / layers left out (parsed by the node)
+    clip: str = ""                     # model + CLIP loader: what it did with the file's text-encoder layers
 
     def spec(self) -> AdapterSpec:
         return AdapterSpec(self.path, self.strength, self.name, lenient=self.lenient, schedule=self.schedule,

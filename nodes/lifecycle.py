@@ -102,7 +102,7 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
         sample_seconds = time.perf_counter() - t_sample
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
                          host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules,
-                         graphs_compiled=graphs)
+                         graphs_compiled=graphs, clip=report_mod.clip_lines(want.adapters))
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))

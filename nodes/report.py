@@ -14,7 +14,10 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.sche
 
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
-          steps: int, schedules=None, graphs_compiled: int = 0) -> dict:
+          steps: int, schedules=None, graphs_compiled: int = 0, clip: dict[str, str] | None = None) -> dict:
+    """The report of one run. ``clip``: planned adapter name -> what a model + CLIP loader did
+    with that file's text-encoder layers (shown instead of "not applied: this node patches the
+    model only")."""
     d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
                                                       "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
     coverage = {c["adapter"]: c for c in d["coverage"]}
@@ -25,6 +28,8 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         entry = {**a, "coverage": c}
         if a["name"] in per_adapter:  # each adapter's own merge decision (auto decides per adapter)
             entry["decision"] = per_adapter[a["name"]]
+        if clip and clip.get(a["name"]):
+            entry["clip"] = clip[a["name"]]
         if schedules is not None and a["name"] in schedules.entries:  # what the model calls really used
             entry["schedule_applied"] = schedules.applied(a["name"])
         adapters.append(entry)
@@ -50,6 +55,19 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
     }
 
 
+def clip_lines(adapters) -> dict[str, str]:
+    """Planned name -> clip line of intent entries (the planner's names: a repeated name gets #2, #3...)."""
+    out, used = {}, set()
+    for a in adapters:
+        name, k = a.name, 2
+        while name in used:
+            name, k = f"{a.name}#{k}", k + 1
+        used.add(name)
+        if a.clip:
+            out[name] = a.clip
+    return out
+
+
 def text(r: dict) -> str:
     """A few lines for the log and the CLI."""
     dec = r.get("decision") or {}
@@ -73,7 +91,9 @@ def text(r: dict) -> str:
                      + (f"; {ad.get('reason') if ad.get('chosen') == 'off' else ad['chosen']}" if ad.get("chosen")
                         else "")
                      + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
-        if c.get("text_encoder_layers"):
+        if a.get("clip"):
+            lines.append(f"    {a['clip']}")
+        elif c.get("text_encoder_layers"):
             lines.append(f"    {c['text_encoder_layers']} text-encoder layers ({c['text_encoder_tensors']} tensors) not "
                          "applied: this node patches the model only")
         if a.get("schedule") or a.get("branch"):

@@ -119,12 +119,23 @@ export const formatCoverage = safe(
 
     const teLayers = num(c.text_encoder_layers);
     const teTensors = num(c.text_encoder_tensors);
-    const teText = teLayers ? ` · ${teLayers} text-encoder layers not applied` : "";
-    if (teLayers) {
+    const clip = str(c.clip);  // Load LoRA Adapter (model + CLIP): what went onto the CLIP
+    const teApplied = num(c.text_encoder_applied_layers);
+    const teText = clip
+      ? ` · ${teApplied === null ? "?" : teApplied} text-encoder layers on the CLIP`
+        + (teLayers ? `, ${teLayers} not applied` : "")
+      : teLayers ? ` · ${teLayers} text-encoder layers not applied` : "";
+    if (clip) {
+      titleLines.push(clip);
+    } else if (teLayers) {
       titleLines.push(`${teLayers} text-encoder layers (${teTensors === null ? "?" : teTensors} tensors) not applied: `
         + "this node patches the model only");
     }
 
+    if (matched === 0 && fileLayers === 0 && clip) {  // a text-encoder-only file: the CLIP part is all there is
+      return { text: `${adapter}: text encoder only${teText}`, level: teLayers ? "warn" : "ok",
+        title: titleLines.join("\n") };
+    }
     if (matched === 0) {
       return {
         text: `${adapter}: 0/${fileLayers === null ? "?" : fileLayers} layers matched — no effect`,
@@ -142,7 +153,7 @@ export const formatCoverage = safe(
     }
     return {
       text: `${adapter}: ${ratio} layers${format ? ` (${format})` : ""}${teText}`,
-      level: "ok",
+      level: clip && teLayers ? "warn" : "ok",  // skipped text-encoder layers (model + CLIP, skip and report)
       title: titleLines.join("\n"),
     };
   },

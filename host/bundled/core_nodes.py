@@ -85,6 +85,53 @@ class UNETLoader:
         return (BundledModelPatcher(model),)
 
 
+class CLIPLoader:
+    """ComfyUI's CLIPLoader; the bundled host loads one kind: a CLIP-L text model
+    (``type`` stable_diffusion) in `clip.TinyClipTextModel`'s layout, from text_encoders."""
+    TYPES = ["stable_diffusion"]
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"clip_name": (folder_paths.get_filename_list("text_encoders"),),
+                             "type": (list(cls.TYPES),)},
+                "optional": {"device": (["default", "cpu"], {"advanced": True})}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load_clip"
+    CATEGORY = "advanced/loaders"
+
+    def load_clip(self, clip_name, type="stable_diffusion", device="default"):
+        from safetensors.torch import load_file
+
+        from .clip import BundledCLIP, TinyClipTextModel
+        if type not in self.TYPES:
+            raise ValueError(f"CLIP type {type!r} is not supported by the bundled host; it loads "
+                             f"{', '.join(self.TYPES)} (a CLIP-L text model)")
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        try:
+            model = TinyClipTextModel.from_state_dict(load_file(path))
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"{clip_name}: not a CLIP-L text model the bundled host can load ({e})") from None
+        return (BundledCLIP(model),)
+
+
+class CLIPTextEncode:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "text": ("STRING", {"multiline": True, "dynamicPrompts": True, "tooltip": "The text to be encoded."}),
+            "clip": ("CLIP", {"tooltip": "The CLIP model used for encoding the text."})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    CATEGORY = "conditioning"
+
+    def encode(self, clip, text):
+        if clip is None:
+            raise RuntimeError("ERROR: clip input is invalid: None")
+        return (clip.encode(text),)
+
+
 class EmptyHunyuanLatentVideo:
     @classmethod
     def INPUT_TYPES(cls):
@@ -242,6 +289,8 @@ class PreviewImage(SaveImage):
 
 CORE_NODE_CLASS_MAPPINGS: dict[str, type] = {
     "UNETLoader": UNETLoader,
+    "CLIPLoader": CLIPLoader,
+    "CLIPTextEncode": CLIPTextEncode,
     "EmptyHunyuanLatentVideo": EmptyHunyuanLatentVideo,
     "ModelSamplingSD3": ModelSamplingSD3,
     "KSampler": KSampler,
@@ -251,6 +300,8 @@ CORE_NODE_CLASS_MAPPINGS: dict[str, type] = {
 
 CORE_NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "UNETLoader": "Load Diffusion Model",
+    "CLIPLoader": "Load CLIP",
+    "CLIPTextEncode": "CLIP Text Encode (Prompt)",
     "EmptyHunyuanLatentVideo": "EmptyHunyuanLatentVideo",
     "ModelSamplingSD3": "ModelSamplingSD3",
     "KSampler": "KSampler",

@@ -118,6 +118,8 @@ class LoraAdapter:
     scale_source: str = ""                                      # where the layers' alphas came from
     notes: list[str] = field(default_factory=list)              # facts the user should see on the report
     text_encoder: dict[str, LayerAdapter] = field(default_factory=dict)  # text-encoder layers (not the model's)
+    # the file's tensors of those layers, as stored (key -> tensor): what a CLIP loader reads
+    text_encoder_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -188,12 +190,13 @@ class CoverageReport:
 _HEADER_CHECKS: dict[tuple, str] = {}
 
 
-def check_adapter_file(path: str | os.PathLike) -> str:
+def check_adapter_file(path: str | os.PathLike, *, text_encoder_only_ok: bool = False) -> str:
     """The checks that need only the header, cheap enough for ComfyUI's validation of a
     prompt (before anything runs): not safetensors (pickle, zip, HTML, GGUF: never
     opened), truncated or corrupt header, no tensor that looks like a LoRA key, a
     non-finite or non-numeric alpha in the header's metadata. '' when it passes, else the
     message (naming the file, the key and the fix). Cached by (path, size, mtime).
+    ``text_encoder_only_ok``: a file of text-encoder layers only passes (a model + CLIP loader).
     What needs the tensors or the model (NaN inside a tensor, shapes, layers matched)
     is checked when the node runs."""
     p = Path(path)
@@ -201,13 +204,13 @@ def check_adapter_file(path: str | os.PathLike) -> str:
         st = p.stat()
     except OSError as e:
         return f"adapter file {p.name} cannot be read ({e.strerror or e})"
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, text_encoder_only_ok)
     if key not in _HEADER_CHECKS:
-        _HEADER_CHECKS[key] = _check_header(p)
+        _HEADER_CHECKS[key] = _check_header(p, text_encoder_only_ok)
     return _HEADER_CHECKS[key]
 
 
-def _check_header(p: Path) -> str:
+def _check_header(p: Path, text_encoder_only_ok: bool = False) -> str:
     try:
         header, _ = read_header(p)
     except LoraRuntimeError as e:
@@ -219,7 +222,7 @@ def _check_header(p: Path) -> str:
     if not stems:
         return (f"{p.name} has no LoRA weights this loader understands (e.g. {names[:3]}); "
                 f"supported: {_SUPPORTED}")
-    if all(text_encoder_keys.is_text_encoder(s) for s in stems):
+    if not text_encoder_only_ok and all(text_encoder_keys.is_text_encoder(s) for s in stems):
         te = {}
         for k in names:
             parts = split_key(k)
@@ -327,7 +330,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     fmt = "+".join(sorted(formats - {"other"})) or "unknown"
     source, more = scale_sources.describe(counts, cfg, meta)
     return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more,
-                       text_encoder=te_layers)
+                       text_encoder=te_layers,
+                       text_encoder_tensors={k: tensors[k] for la in te_layers.values() for k in la.keys})
 
 
 def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:

@@ -6,7 +6,8 @@ some trainers), diffusers / PEFT write ``text_encoder.`` / ``text_encoder_2.``.
 These layers are not in the diffusion model: a model-only loader applies the model part
 and says how much of the file it left to the text encoder ("N text-encoder layers (M
 tensors) not applied: this node patches the model only") instead of calling each one
-"no such layer in the model". ComfyUI's LoraLoader applies them to the CLIP.
+"no such layer in the model". Load LoRA Adapter (model + CLIP) applies them to the CLIP as
+ComfyUI's LoraLoader does.
 """
 from __future__ import annotations
 
@@ -42,5 +43,5 @@ def only_text_encoder_message(fname: str, te_layers: dict) -> str:
     n, m = counts(te_layers)
     example = next(iter(te_layers), "")
     return (f"{fname} holds only text-encoder weights ({n} layers, {m} tensors, e.g. {example!r}) and nothing for "
-            "the diffusion model; this node patches the model only. Load it with ComfyUI's LoraLoader (model + "
-            "CLIP), or pick the adapter made for the diffusion model")
+            "the diffusion model; this node patches the model only. Load it with Load LoRA Adapter (model + CLIP) "
+            "or ComfyUI's LoraLoader, or pick the adapter made for the diffusion model")

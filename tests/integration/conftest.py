@@ -803,6 +803,16 @@ def comfy(tmp_path_factory, reference) -> ComfyServer:
 
 
 @pytest.fixture(scope="session")
+def comfy_checkout() -> tuple[Path, str]:
+    """(the ComfyUI checkout, the python that runs it), for tests that run ComfyUI's code
+    in a subprocess of their own instead of the server."""
+    comfy_dir = comfyui_dir()
+    if comfy_dir is None:
+        pytest.skip(_skip_reason())
+    return comfy_dir, comfyui_python(comfy_dir)
+
+
+@pytest.fixture(scope="session")
 def pack():
     """The pack imported in the test process (bundled host): needs it installed here."""
     try:

@@ -150,6 +150,24 @@ test("torch.compile: a recompile-limit fallback is a warning naming the function
   assert.ok(!fmt.formatReport({ decision: { chosen: "dynamic" }, adapters: [] }).some((i) => i.key === "compile"));
 });
 
+test("model + CLIP loader: the CLIP line replaces 'this node patches the model only'", () => {
+  const line = "3 text-encoder layers (9 tensors) applied to the CLIP (x1)";
+  const c = fmt.formatCoverage({ adapter: "te.safetensors", format: "kohya", matched: 8, file_layers: 8, unmatched: 0,
+    text_encoder_layers: 0, text_encoder_tensors: 0, text_encoder_applied_layers: 3, clip: line });
+  assert.equal(c.level, "ok");
+  assert.equal(c.text, "te.safetensors: 8/8 layers (kohya) · 3 text-encoder layers on the CLIP");
+  assert.match(c.title, /applied to the CLIP/);
+  assert.doesNotMatch(c.title, /patches the model only/);
+  const skipped = fmt.formatCoverage({ adapter: "te.safetensors", matched: 8, file_layers: 8, unmatched: 0,
+    text_encoder_layers: 1, text_encoder_tensors: 3, text_encoder_applied_layers: 2, clip: line + "; 1 not" });
+  assert.equal(skipped.level, "warn");
+  assert.match(skipped.text, /2 text-encoder layers on the CLIP, 1 not applied$/);
+  const only = fmt.formatCoverage({ adapter: "te_only.safetensors", matched: 0, file_layers: 0, unmatched: 0,
+    text_encoder_layers: 0, text_encoder_applied_layers: 2, clip: "2 text-encoder layers (6 tensors) applied" });
+  assert.equal(only.level, "ok");
+  assert.equal(only.text, "te_only.safetensors: text encoder only · 2 text-encoder layers on the CLIP");
+});
+
 test("garbage input never throws", () => {
   const cyclic = {};
   cyclic.self = cyclic;
