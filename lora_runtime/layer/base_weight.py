@@ -144,3 +144,16 @@ def base_weight(layer: nn.Module) -> BaseWeight:
     setattr(d, KEY_ATTR, key)
     why = packed_reason(w) or ("weight has weight-function patches" if functions else "weight is scaled (scale_weight)")
     return BaseWeight(d, False, why)
+
+
+def own_storage(t) -> None:
+    """Before the first in-place write into a GGUF-style tensor on the CPU, give it a private
+    copy of its bytes (same dtype, shape and values). ComfyUI-GGUF keeps CPU weights as views of
+    a read-only memory map of the file, where a write kills the process; it releases the map
+    the same way when it offloads. Plain tensors, device tensors and tensors already copied are
+    left as they are."""
+    if gguf_type(t) is None or t.device.type != "cpu" or getattr(t, "_lora_owned_storage", False):
+        return
+    with torch.no_grad():
+        t.data = t.as_subclass(torch.Tensor).clone()
+    t._lora_owned_storage = True

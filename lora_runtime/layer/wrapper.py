@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import MergeRefusedError
 from . import stacking
-from .base_weight import base_weight, float_view, packed_reason, real_shape
+from .base_weight import base_weight, float_view, own_storage, packed_reason, real_shape
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import current_context
 from .stacking import can_add_inplace, row_mask
@@ -357,6 +357,7 @@ class LoraLinear(nn.Module):
         bw = base_weight(self.get_base_layer())
         if not bw.writable:  # mergeable() judged it; a copy must never take a merge
             raise MergeRefusedError(f"{self.layer_name}: cannot merge ({bw.reason}); use merge mode 'dynamic'")
+        own_storage(self.get_base_layer().weight)  # a GGUF file's read-only map is never written
         w = self.weight2d
         for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
             if s.update.needs_weight:

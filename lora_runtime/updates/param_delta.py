@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MergeRefusedError
-from ..layer.base_weight import float_view, packed_reason
+from ..layer.base_weight import float_view, own_storage, packed_reason
 from ..layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 
 
@@ -93,6 +93,7 @@ class ParamPatch:
                                     "model in bf16/fp16/fp32 (a GGUF F16/BF16 file works too)")
         if self.merged or not any(s != 0.0 for _, _, s in self.entries):
             return
+        own_storage(p)  # a GGUF file's read-only map is never written
         view = _as_rows(self._view())
         err, tot = rounding_loss_sums(view, self._rows)
         self.share_lost = (err / tot) ** 0.5 if tot > 0 else 0.0

@@ -255,3 +255,34 @@ def test_dora_norm_is_cached_across_calls_on_a_packed_weight(tmp_path, base):
             layer.weight.as_subclass(torch.Tensor)[0, 2] += 1   # a quant of row 0 changes in place
             packed(_x())
         assert len([k for k in upd._cache if k[0] == "norm"]) == 2
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_merge_never_writes_into_the_files_read_only_map(tmp_path, base, qtype):
+    """ComfyUI-GGUF keeps CPU weights as views of a read-only memory map of the .gguf file (a
+    write there kills the process). Here a layer's F16 / BF16 bytes are such a map: the merge
+    writes into a private copy; the map keeps the file's bytes; outputs as on an in-memory base."""
+    import warnings
+
+    import numpy as np
+
+    packed = pack_model(base, qtype)
+    layer = packed.get_submodule("blocks.0.ffn.0")
+    raw = layer.weight.as_subclass(torch.Tensor)
+    f = tmp_path / "weight.bin"
+    raw.contiguous().view(torch.uint8).numpy().tofile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "The given NumPy array is not writable": as ComfyUI-GGUF's loader
+        mapped = torch.from_numpy(np.memmap(f, mode="r", dtype=np.uint8)).view(raw.dtype).reshape(raw.shape)
+    layer.weight = nn.Parameter(PackedTensor(mapped, layer.weight.tensor_type, layer.weight.tensor_shape),
+                                requires_grad=False)
+    file_bytes = mapped.clone()
+    path = write_adapter(tmp_path / "a.safetensors", "lora", packed)
+    y, rep, merged = _run(packed, path, "merge", "exact", fusion_backend=None)
+    assert "blocks.0.ffn.0" in merged and not torch.equal(merged["blocks.0.ffn.0"], float_view(layer.weight))
+    assert torch.equal(mapped, file_bytes), "the map still holds the file's bytes"
+    assert layer.weight.data_ptr() != mapped.data_ptr(), "the layer computes from its own copy now"
+    assert torch.equal(layer.weight.as_subclass(torch.Tensor), file_bytes), "restored bit for bit"
+    in_memory = pack_model(base, qtype)
+    y_ref, _, _ = _run(in_memory, path, "merge", "exact", fusion_backend=None)
+    assert torch.equal(y, y_ref)
