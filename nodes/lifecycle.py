@@ -65,6 +65,11 @@ def clear_report(patcher) -> None:
     setattr(patcher, _REPORT_ATTR, None)
 
 
+def store_report(patcher, report: dict) -> None:
+    """Keep `report` as the last report of this MODEL object (a sampler that sampled a clone of it)."""
+    setattr(patcher, _REPORT_ATTR, report)
+
+
 COMFY_PATCHED = ("ComfyUI patches this weight itself (a LoraLoader or other model patch upstream) and may "
                  "put its own backup back into it if it offloads the layer mid-run, so our adapter stays "
                  "dynamic on it")

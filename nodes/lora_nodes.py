@@ -200,6 +200,7 @@ class LoraSampler:
 
     def sample(self, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                denoise=1.0):
+        given = model  # the MODEL output that also feeds a LoRA Runtime Report node
         if not lifecycle.is_registered(model):  # a MODEL none of our nodes touched: sample it as KSampler would,
             model = model.clone()                 # with the runtime's report on this node
             lifecycle.register(model)
@@ -214,6 +215,8 @@ class LoraSampler:
             r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME,
                              sample_seconds=time.perf_counter() - t0, steps=steps)
             log.info("%s", report.text(r))
+        if given is not model:
+            lifecycle.store_report(given, r)
         return {"ui": {"lora_report": [r]}, "result": (latent,)}
 
 
@@ -236,6 +239,12 @@ class LoraRuntimeReport:
 
     def show(self, model, latent):
         r = lifecycle.last_report(model)
+        want = intent.read(model)
+        if r is None and not want.touches_model:  # no adapters (and the default tier): nothing was applied
+            r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME, sample_seconds=0.0,
+                             steps=1)
+            r["note"] = ("no LoRA adapters on this MODEL: a sampler samples it as it is (no weight touched); "
+                         "add a Load LoRA Adapter node before the sampler to apply one")
         if r is None:
             raise LoraRuntimeError(
                 "LoRA Runtime Report: this MODEL has not been sampled with the LoRA runtime in this session. Connect "

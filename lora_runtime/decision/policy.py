@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
+from ..layer.base_weight import float_view
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import LoraLinear, mergeable
@@ -144,7 +145,7 @@ def _cannot_overflow(w: LoraLinear, s) -> bool:
     the weight? Round-to-nearest of ``W + dW`` stays finite when ``|dW|`` is below half an ulp
     at the top of the dtype's range (fp16: 16, bf16: 2**119); for a low-rank pair (``stack()``) ``|dW|`` is at
     most ``|strength * scale| * max_i sum_k |up_ik| * max |down|``. Reads the factors only."""
-    dtype = w.weight.dtype
+    dtype = _float_dtype(w)
     st = s.update.stack()  # the low-rank pair as loaded (no cast cached for this), or None
     if st is None or dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
@@ -154,6 +155,22 @@ def _cannot_overflow(w: LoraLinear, s) -> bool:
     bound = (abs(s.strength * scale) * float(up.float().abs().sum(dim=1).max())
              * float(down.float().abs().max()))
     return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta and of the bound
+
+
+def _float_dtype(w: LoraLinear) -> torch.dtype | None:
+    """The dtype of `w`'s weight when it is stored as floats (`float_view`), else None."""
+    v = float_view(w.get_base_layer().weight)
+    return None if v is None else v.dtype
+
+
+def _own_refused(rest: list[LoraLinear], names: list[str], refused: dict[str, str]) -> dict:
+    """adapter -> (its first layer that cannot take a merge, why, how many of its layers cannot)."""
+    out = {}
+    for a in names:
+        mine = [w.layer_name for w in rest if _slot(w, a) is not None and w.layer_name in refused]
+        if mine:
+            out[a] = (mine[0], refused[mine[0]], len(mine))
+    return out
 
 
 def _sample_rows(rows: int, device, max_rows: int):
@@ -265,14 +282,18 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
 
     if mode is MergeMode.DYNAMIC:
         why = "dynamic mode never touches the weights"
-        check = None  # overflow check only: an update the weight dtype cannot hold (cached by content)
+        # overflow check only: an update the weight dtype cannot hold (cached by content). Only
+        # weights stored as floats: a packed / quantized / fp8 weight is dequantized per call into
+        # the compute dtype by its layer and never merged, so its storage has no range to check
+        floats = [w for w in wrappers if _float_dtype(w) is not None]
+        check = None
         for name in names:
-            if all(_cannot_overflow(w, s) for w in wrappers for s in [_slot(w, name)] if s is not None):
+            if all(_cannot_overflow(w, s) for w in floats for s in [_slot(w, name)] if s is not None):
                 continue  # bounded by its factors: no weight of this dtype can overflow
-            key = _adapter_key(wrappers, name, weight_keys) if cache is not None else None
+            key = _adapter_key(floats, name, weight_keys) if cache is not None else None
             if key is not None and key in cache.checks:
                 continue
-            check = check or _SequentialEstimate(wrappers)
+            check = check or _SequentialEstimate(floats)
             check.share(name)
             if key is not None:
                 cache._put(cache.checks, key, True)
@@ -283,6 +304,8 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
     rest = [w for w in wrappers if w.layer_name not in soft]
     refused = [(w.layer_name, why) for w in rest for ok, why in [mergeable(w)] if not ok]
+    # per adapter: (first refused layer, why, how many of its own layers are refused)
+    own_refused = _own_refused(rest, names, dict(refused)) if refused else {}
     if mode is MergeMode.MERGE:
         for name in names:
             if name in varying:
@@ -291,10 +314,11 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
                     f"{varying[name].removeprefix('stays unmerged: ')}. Use merge mode 'auto' (keeps it dynamic, "
                     "merges the others) or 'dynamic', or clear its strength_schedule / set its branch to 'both'")
         if refused:
-            name, why = refused[0]
+            name, (layer, why, k) = next((a, own_refused[a]) for a in names if a in own_refused)
             raise MergeRefusedError(
-                f"merge mode 'merge' cannot fold the adapter into layer {name!r}: {why} "
-                f"({len(refused)} such layers). Use merge mode 'dynamic' (or 'auto')."
+                f"merge mode 'merge' cannot fold adapter {name!r} into layer {layer!r}: {why} "
+                f"({k} of its {counts[name]} layers). Use merge mode 'dynamic' (or 'auto'): they keep "
+                "their weights as stored and add the adapter at run time."
             )
         why = "merge mode folds every adapter into the weights"
         if not rest:
@@ -302,9 +326,14 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
                             n, soft, off=off)
         return _summary(mode, each("merge", why), n, soft, why, off=off)
     if refused:
-        name, why = refused[0]
-        msg = f"{len(refused)} layers cannot take a merge (e.g. {name}: {why})"
-        return _summary(mode, each("dynamic", msg), n, {}, msg, off=off)
+        def own_msg(a: str) -> str:
+            if a not in own_refused:
+                return (f"stays dynamic with the others: none of its layers is refused, but {len(refused)} "
+                        f"layers of the other adapters cannot take a merge (e.g. {refused[0][0]}: {refused[0][1]})")
+            layer, why, k = own_refused[a]
+            return f"{k} of its {counts[a]} layers cannot take a merge (e.g. {layer}: {why})"
+        adapters = [AdapterDecision(a, "dynamic", None, own_msg(a), counts[a]) for a in names]
+        return _summary(mode, adapters, n, {}, off=off)  # each adapter's own reason
     if not rest:
         msg = f"no layer may be merged into: {next(iter(soft.values()))}"
         return _summary(mode, each("dynamic", msg), n, soft, msg, off=off)

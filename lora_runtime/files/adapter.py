@@ -12,6 +12,7 @@ reported and logged, never silent.
 from __future__ import annotations
 
 import copy
+import math
 import logging
 import os
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ..errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from ..updates.param_delta import ParamDelta
+from ..layer.base_weight import real_shape
 from . import conv_tucker, param_names, scale_sources, text_encoder_keys
 from .. import updates
 from .safetensors_file import load_safetensors, read_header
@@ -480,10 +482,9 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
                 unmatched[la.stem] = f"slice of {target!r}, which another key targets whole"
                 applied_stems.remove(la.stem)
             continue
-        w = all_modules[target].weight
-        sliced = updates.Sliced([(la.rows[0], la.rows[1], la.update) for la in parts], int(w.shape[0]),
-                                 stem=target)
-        sliced.check_module(int(w.shape[0]), int(w[0].numel()))
+        shape = real_shape(all_modules[target].weight)  # a packed weight's storage is not its shape
+        sliced = updates.Sliced([(la.rows[0], la.rows[1], la.update) for la in parts], shape[0], stem=target)
+        sliced.check_module(shape[0], math.prod(shape[1:]))
         targets[target] = LayerAdapter(target, update=sliced, keys=[k for la in parts for k in la.keys],
                                        alpha_source=parts[0].alpha_source)
     kinds: dict[str, int] = {}
@@ -549,16 +550,16 @@ def _build(adapter: LoraAdapter, la: LayerAdapter) -> None:
 
 def _check_shapes(adapter: LoraAdapter, stem: str, la: LayerAdapter, module: nn.Module, target: str,
                   kind: str) -> None:
-    w = module.weight
-    out_f = int(w.shape[0])
-    in_f = int(w[0].numel()) if kind == "conv" else int(w.shape[1])
+    shape = real_shape(module.weight)  # a packed weight's storage is not its shape
+    out_f = shape[0]
+    in_f = math.prod(shape[1:]) if kind == "conv" else shape[1]
     if la.rows is not None:
         a, b = la.rows
         if not (0 <= a < b <= out_f):
             raise AdapterFormatError(f"{adapter.name}: key {stem!r} -> rows [{a}, {b}) of {target!r}, which has "
                                      f"{out_f} rows")
         out_f = b - a
-    kernel = tuple(int(k) for k in w.shape[2:]) if kind == "conv" else ()
+    kernel = shape[2:] if kind == "conv" else ()
     bad = None
     if la.kernel and kind != "conv":
         bad = f"it is a convolution update (kernel {la.kernel}) but the layer is a {type(module).__name__}"
@@ -604,9 +605,10 @@ def param_deltas(adapter_name: str, la: LayerAdapter, target: str, module: nn.Mo
         p = params.get(name)
         if p is None:
             return f"{part} for {name!r}, which the model does not have"
-        if t.numel() != p.numel():
+        shape = real_shape(p)  # a packed parameter's storage is not its shape
+        if t.numel() != math.prod(shape):
             raise AdapterFormatError(
                 f"{adapter_name}: key {la.stem}.{part} has {tuple(t.shape)} values but {name!r} is "
-                f"{tuple(p.shape)}. The adapter was trained for a different model size; pick the matching adapter")
-        out.append(ParamDelta(la.stem, part, name, t.reshape(p.shape)))
+                f"{shape}. The adapter was trained for a different model size; pick the matching adapter")
+        out.append(ParamDelta(la.stem, part, name, t.reshape(shape)))
     return out

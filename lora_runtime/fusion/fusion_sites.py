@@ -63,6 +63,7 @@ from ...kernels.lora_linear import lora_linear_torch
 from ...kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
 from ..layer import stacking
+from ..layer.base_weight import gguf_type, packed_reason
 from ..layer.runtime_context import current_context
 from ..scaling import combined_factor
 from ..settings import Tier, parse_tier
@@ -166,8 +167,17 @@ def _row_scaled_factors(lw, x: torch.Tensor):
 
 
 def static_guard(fc1: nn.Module) -> tuple[bool, str]:
-    """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone."""
-    why = registry.plain_weight_reason(fc1)
+    """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone. A weight
+    read through its layer (`base_weight`: packed, quantized, GGUF of any type, whose layer
+    dequantizes and patches it per call) is not handed to a fused GEMM."""
+    base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+    w = getattr(base, "weight", None)
+    why = ""
+    if gguf_type(w) is not None:
+        why = packed_reason(w) or f"weight is GGUF {gguf_type(w)}"
+        why += ": its layer reads it per call (get_weight)"
+    if not why:
+        why = registry.plain_weight_reason(fc1)
     return not why, why
 
 

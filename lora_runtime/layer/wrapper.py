@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import MergeRefusedError
 from . import call_plan, stacking
+from .base_weight import base_weight, float_view, own_storage, packed_reason, real_shape
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import _CURRENT, current_context
 from .stacking import can_add_inplace, row_mask
@@ -38,7 +39,6 @@ from ..updates import Update
 if TYPE_CHECKING:
     from ..files.adapter import LayerAdapter
 
-_FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -86,17 +86,14 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
         return False, "layer has no weight"
     if getattr(base, "weight_lowvram_function", None) is not None or getattr(base, "_v", None) is not None:
         return False, "weight is streamed and patched per call (ComfyUI dynamic VRAM)"
-    if type(w) not in (torch.Tensor, nn.Parameter):
-        return False, f"weight is a {type(w).__name__} (quantized/packed)"
-    if w.dtype not in _FLOAT_WEIGHTS:
-        return False, f"weight dtype {w.dtype} has no defined merge rounding (fp8/int)"
+    why = packed_reason(w)  # a GGUF F16/BF16/F32 weight is a plain float weight; quantized ones are not
+    if why:
+        return False, why
     if getattr(base, "weight_function", None):
         return False, "weight has weight-function patches"
     for attr in ("scale_weight", "weight_scale", "quant_state", "qweight"):
         if getattr(base, attr, None) is not None:
             return False, f"weight is scaled/quantized ({attr})"
-    if w.is_meta:
-        return False, "weight is on the meta device (offloaded)"
     return True, ""
 
 
@@ -327,10 +324,17 @@ class LoraLinear(nn.Module):
 
     @property
     def weight2d(self) -> torch.Tensor:
-        """The weight as the [out, in * kernel] matrix the updates' deltas are written for
-        (a view: writes reach the layer's weight)."""
-        w = self.weight
+        """The weight as the [out, in * kernel] matrix the updates' deltas are written for, read
+        through the layer (`base_weight`): a view when the weight is stored as floats (writes
+        reach the layer's weight), else the layer's own dequantization (a copy; such a layer
+        never merges)."""
+        w = self.dense_weight
         return w.view(w.shape[0], -1) if w.dim() > 2 else w
+
+    @property
+    def dense_weight(self) -> torch.Tensor:
+        """The weight the layer multiplies with, in its real shape (see `base_weight`)."""
+        return base_weight(self.get_base_layer()).tensor
 
     def _weight_slots(self) -> list[AdapterSlot]:
         return [s for s in self.slots.values() if s.contributes and s.has_weight_delta]
@@ -370,6 +374,10 @@ class LoraLinear(nn.Module):
         slots = [s for s in self._weight_slots() if only is None or s.name in only]
         if not slots:
             return
+        bw = base_weight(self.get_base_layer())
+        if not bw.writable:  # mergeable() judged it; a copy must never take a merge
+            raise MergeRefusedError(f"{self.layer_name}: cannot merge ({bw.reason}); use merge mode 'dynamic'")
+        own_storage(self.get_base_layer().weight)  # a GGUF file's read-only map is never written
         w = self.weight2d
         for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
             if s.update.needs_weight:
@@ -501,7 +509,10 @@ class LoraLinear(nn.Module):
         if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
             return None
         b = self.bias
-        return y if b is None else y - b.to(y.device, y.dtype)
+        if b is None:
+            return y
+        fb = float_view(b)
+        return None if fb is None else y - fb.to(y.device, y.dtype)  # a packed bias: recomputed
 
     def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx, y0=None) -> torch.Tensor:
         """One slot's output delta (no diff_b). An update with a `stack()` pair, in `exact`:
@@ -513,7 +524,7 @@ class LoraLinear(nn.Module):
         if st is not None:
             a, b, scale = st
             return scale_delta(F.linear(F.linear(x, a), b), (scale, s.strength, rs), ctx, inplace=True)
-        w = self.weight if v.needs_weight else None
+        w = self.dense_weight if v.needs_weight else None
         if folds_scales(ctx):
             return v.forward(x, combined_factor(s.strength, rs), base_out_nobias=y0, weight=w, include_bias=False)
         return scale_delta(v.forward(x, 1.0, weight=w, include_bias=False), (s.strength, rs), ctx, inplace=True)
@@ -523,13 +534,14 @@ class LoraLinear(nn.Module):
         strength/device/dtype: a patch embedding's kernel is small) through the layer's own
         convolution geometry, then its runtime scale and row mask."""
         conv = self.get_base_layer()
-        fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[conv.weight.dim() - 2]
+        shape = real_shape(conv.weight)
+        fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(shape) - 2]
         for s in dyn:
             key = ("conv", s.name, s.strength, x.device, x.dtype)
             k = self._stack_cache.get(key)
             if k is None:
                 d = times(s.update.delta(x.device, torch.float32), s.strength, inplace=True)
-                k = self._stack_cache[key] = d.reshape(conv.weight.shape).to(x.dtype)
+                k = self._stack_cache[key] = d.reshape(shape).to(x.dtype)
             rs, mask = f[s.name]
             d = scale_delta(fn(x, k, None, conv.stride, conv.padding, conv.dilation, conv.groups), (rs,), ctx,
                             inplace=True)

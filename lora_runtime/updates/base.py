@@ -64,7 +64,12 @@ def weight_key(weight: Tensor) -> tuple:
     """Identity of a base weight for the weight-dependent caches (storage, in-place version, layout).
 
     Tensors made under ``torch.inference_mode`` keep no version counter: their key is storage
-    and layout only, and whoever changes such a weight in place clears the caches."""
+    and layout only, and whoever changes such a weight in place clears the caches. A weight the
+    layer dequantized (a fresh copy per read, `layer.base_weight`) carries the key of what it
+    was read from."""
+    key = getattr(weight, "_lora_weight_key", None)
+    if key is not None:
+        return key
     try:
         version = weight._version
     except RuntimeError:  # "Inference tensors do not track version counter"

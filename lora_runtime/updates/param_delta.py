@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MergeRefusedError
+from ..layer.base_weight import float_view, own_storage, packed_reason
 from ..layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass
@@ -71,8 +70,14 @@ class ParamPatch:
     def merged(self) -> bool:
         return self._restore is not None
 
+    def _view(self) -> torch.Tensor | None:
+        """The parameter as a plain float tensor (a view: writes reach it; a GGUF F32/F16/BF16
+        tensor included, `base_weight.float_view`), or None when it is not stored as floats."""
+        v = float_view(self.param)
+        return None if v is None else v.detach()
+
     def _rows(self, rows) -> torch.Tensor:
-        p = _as_rows(self.param.detach())
+        p = _as_rows(self._view())
         out = torch.zeros(p[rows].shape, dtype=torch.float32, device=p.device)
         for _, d, s in self.entries:
             if s != 0.0:
@@ -81,12 +86,15 @@ class ParamPatch:
 
     def merge(self) -> None:
         p = self.param
-        if type(p) not in (torch.Tensor, torch.nn.Parameter) or p.dtype not in _FLOATS or p.is_meta:
+        if self._view() is None:
             raise MergeRefusedError(f"parameter {self.name}: cannot add the adapters' delta to a "
-                                    f"{type(p).__name__} of dtype {p.dtype}; load the model in bf16/fp16/fp32")
+                                    f"{type(p).__name__} of dtype {p.dtype} ({packed_reason(p)}); this parameter "
+                                    "is read inside the block's own code, so no merge mode can apply it. Load the "
+                                    "model in bf16/fp16/fp32 (a GGUF F16/BF16 file works too)")
         if self.merged or not any(s != 0.0 for _, _, s in self.entries):
             return
-        view = _as_rows(p.detach())
+        own_storage(p)  # a GGUF file's read-only map is never written
+        view = _as_rows(self._view())
         err, tot = rounding_loss_sums(view, self._rows)
         self.share_lost = (err / tot) ** 0.5 if tot > 0 else 0.0
         who = ", ".join(sorted({a for a, _, _ in self.entries}))
@@ -95,7 +103,7 @@ class ParamPatch:
     def restore(self) -> None:
         if self._restore is None:
             return
-        restore_weight(_as_rows(self.param.detach()), self._restore, self._rows, what=f"parameter {self.name}")
+        restore_weight(_as_rows(self._view()), self._restore, self._rows, what=f"parameter {self.name}")
         self._restore = None
 
     @property

@@ -143,3 +143,25 @@ def test_layers_the_host_patches_itself_stay_dynamic(base):
     assert "ComfyUI patches this weight itself" in r["decision"]["kept_dynamic_reason"]
     dyn = LoraMergeMode().set_mode(m, "dynamic")[0]
     assert (merged_elsewhere - _ksampler(dyn)).abs().max() < 0.05  # same adapter, merge vs dynamic rounding
+
+
+def test_report_node_on_a_no_adapter_model_the_lora_sampler_sampled(base):
+    """The LoRA Sampler samples a clone of a MODEL none of our nodes touched; the report node fed
+    the same MODEL output shows that run's report (no adapters), not an error about its wiring."""
+    _, shown_on_sampler = _sample(base)
+    r = LoraRuntimeReport().show(base, {"samples": torch.zeros(1)})["ui"]["lora_report"][0]
+    assert r is shown_on_sampler and r["decision"] is None and r["adapters"] == []
+    assert r["sample_seconds"] > 0, "the sampler's own run, not a stand-in"
+    # the same through a graph: Load model -> LoRA Sampler -> Report
+    g = _graph("LoraRuntimeSampler", True)
+    g["10"]["inputs"]["model"] = ["1", 0]
+    g["8"]["inputs"]["model"] = ["1", 0]
+    res = execute_prompt(g, CLASSES)
+    assert res.ui["10"]["lora_report"] == res.ui["8"]["lora_report"]
+    assert res.ui["10"]["lora_report"][0]["adapters"] == []
+
+
+def test_report_node_on_a_no_adapter_model_a_stock_sampler_sampled(base):
+    _ksampler(base)
+    r = LoraRuntimeReport().show(base, {"samples": torch.zeros(1)})["ui"]["lora_report"][0]
+    assert r["decision"] is None and r["adapters"] == [] and "no LoRA adapters on this MODEL" in r["note"]

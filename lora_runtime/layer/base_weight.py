@@ -1,0 +1,159 @@
+"""Reading a base weight as its layer computes with it.
+
+Every read of a base weight (merge, restore, rounding loss, overflow checks, DoRA norms,
+fusion guards) goes through this module, so a quantized or packed weight is never read
+as if its storage were the weight.
+
+Contract
+- `float_view(t)`: when the bytes of `t` are float values of its real shape, a plain
+  ``torch.Tensor`` view of the same storage in that dtype and shape (writes reach the
+  layer); else None. Plain float tensors and Parameters; GGUF-style tensors (a
+  ``tensor_type`` with a ``name`` and a ``tensor_shape``, as ComfyUI-GGUF's GGMLTensor)
+  of type F32, F16 and BF16 (BF16 is stored as raw bytes: viewed as bfloat16).
+- `packed_reason(t)`: '' when `float_view` gives the weight; else what it is
+  ("GGUF Q8_0 (quantized/packed)", an fp8 dtype, ...), for reports and refusals.
+- `base_weight(layer)`: the weight the layer multiplies with, as a `BaseWeight`: the
+  float view (``writable``: a merge may write into it) or, for a packed / scaled /
+  patched weight, the layer's own dequantization in fp32 (``writable`` False): its
+  ``get_weight(weight, dtype)`` (ComfyUI-GGUF layers), an fp8 cast times its
+  ``scale_weight`` (ComfyUI's scaled fp8 ops, through ``convert_weight``), then its
+  ``weight_function`` patches. A dequantized copy carries ``key``: the identity of the
+  stored weight (storage, in-place version, patches), so caches of values derived from
+  it (DoRA norms) hold across calls instead of following each fresh copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_GGUF_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+KEY_ATTR = "_lora_weight_key"
+
+
+def gguf_type(t) -> str | None:
+    """The GGUF tensor type's name ("Q8_0", "F16", ...) of a GGUF-style tensor, else None."""
+    tt = getattr(t, "tensor_type", None)
+    if tt is None or not hasattr(t, "tensor_shape"):
+        return None
+    return getattr(tt, "name", str(tt))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t if type(t) in (torch.Tensor, nn.Parameter) else t.as_subclass(torch.Tensor)
+
+
+def float_view(t) -> torch.Tensor | None:
+    """A plain float view of `t` in its real shape (same storage), or None (see module doc)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    kind = gguf_type(t)
+    if kind is None:
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.dtype not in FLOAT_DTYPES:
+            return None
+        return t
+    dtype = _GGUF_FLOATS.get(kind)
+    if dtype is None:
+        return None
+    raw = _plain(t)
+    shape = tuple(t.tensor_shape)
+    if raw.dtype != dtype:
+        if raw.dtype != torch.uint8 or not raw.is_contiguous():
+            return None
+        raw = raw.view(torch.uint8).reshape(-1).view(dtype)
+    if raw.numel() != _numel(shape):
+        return None
+    return raw.reshape(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def packed_reason(t) -> str:
+    """'' when `t` reads as a float weight through `float_view`; else what it is."""
+    if t is None:
+        return "no weight"
+    if getattr(t, "is_meta", False):
+        return "weight is on the meta device (offloaded)"
+    if float_view(t) is not None:
+        return ""
+    kind = gguf_type(t)
+    if kind is not None:
+        return f"weight is GGUF {kind} (quantized/packed)"
+    if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter):
+        return f"weight dtype {t.dtype} has no defined merge rounding (fp8/int)"
+    return f"weight is a {type(t).__name__} (quantized/packed)"
+
+
+def real_shape(t) -> tuple[int, ...]:
+    """The weight's logical shape (GGUF-style tensors report theirs in ``tensor_shape``)."""
+    s = getattr(t, "tensor_shape", None)
+    return tuple(int(v) for v in (s if s is not None else t.shape))
+
+
+@dataclass
+class BaseWeight:
+    tensor: torch.Tensor     # [out, in, ...] in the real shape
+    writable: bool           # a view of the layer's storage: a merge writes here
+    reason: str = ""         # when not writable: why (packed_reason)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:
+        version = "inference"
+    return (t.data_ptr(), version, str(t.dtype), str(t.device), real_shape(t))
+
+
+@torch.no_grad()
+def base_weight(layer: nn.Module) -> BaseWeight:
+    """The weight `layer` multiplies with (see module doc). A wrapper is judged by the layer
+    it wraps (`get_base_layer`)."""
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    w = base.weight
+    if w is None:
+        raise ValueError(f"{type(base).__name__} has no weight")
+    functions = list(getattr(base, "weight_function", None) or ())
+    scale = getattr(base, "scale_weight", None)
+    view = float_view(w)
+    if view is not None and not functions and scale is None:
+        return BaseWeight(view, True)
+    get_weight = getattr(base, "get_weight", None)
+    if callable(get_weight) and gguf_type(w) is not None:
+        d = get_weight(w, torch.float32)   # the layer's own dequantization (and its own patches)
+    else:
+        d = (view if view is not None else _plain(w)).to(torch.float32, copy=True)
+        if scale is not None:
+            convert = getattr(base, "convert_weight", None)
+            d = convert(d) if callable(convert) else d * scale.to(device=d.device, dtype=d.dtype)
+    for f in functions:
+        d = f(d)
+    d = _plain(d).to(torch.float32)
+    if tuple(d.shape) != real_shape(w):
+        d = d.reshape(real_shape(w))
+    patches = getattr(w, "patches", None) or ()
+    key = ("dequantized", _identity(w), tuple(id(p) for p in patches), tuple(id(f) for f in functions),
+           None if scale is None else _identity(scale))
+    setattr(d, KEY_ATTR, key)
+    why = packed_reason(w) or ("weight has weight-function patches" if functions else "weight is scaled (scale_weight)")
+    return BaseWeight(d, False, why)
+
+
+def own_storage(t) -> None:
+    """Before the first in-place write into a GGUF-style tensor on the CPU, give it a private
+    copy of its bytes (same dtype, shape and values). ComfyUI-GGUF keeps CPU weights as views of
+    a read-only memory map of the file, where a write kills the process; it releases the map
+    the same way when it offloads. Plain tensors, device tensors and tensors already copied are
+    left as they are."""
+    if gguf_type(t) is None or t.device.type != "cpu" or getattr(t, "_lora_owned_storage", False):
+        return
+    with torch.no_grad():
+        t.data = t.as_subclass(torch.Tensor).clone()
+    t._lora_owned_storage = True
