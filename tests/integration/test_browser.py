@@ -33,7 +33,7 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    to the KSampler's ``node.properties``, and it comes back when the workflow is re-loaded;
 and no console/page errors beyond the listed benign ones.
 
-Workflow: ``workflows/embedded_style.ui.json`` with the embedded model when its files are
+Workflow: ``example_workflows/embedded_style.json`` with the embedded model when its files are
 in ``models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
 tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
 
@@ -80,8 +80,8 @@ ENV_PLAYWRIGHT = "LORA_RUNTIME_PLAYWRIGHT_DIR"
 ENV_NODE = "LORA_RUNTIME_NODE"
 ENV_UPDATE_DOCS = "LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT"
 
-WORKFLOW = REPO / "workflows" / "embedded_style.ui.json"
-API_WORKFLOW = REPO / "workflows" / "embedded_style.api.json"
+WORKFLOW = REPO / "example_workflows" / "embedded_style.json"
+API_WORKFLOW = REPO / "api_workflows" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 EMBEDDED_LORAS = REPO / "models" / "loras"
 REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"
