@@ -99,6 +99,11 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 function pageGraphSnapshot() {
   const g = window.app.graph;
+  const measureWith = (font, text) => {
+    const ctx = document.createElement("canvas").getContext("2d");
+    ctx.font = font;
+    return ctx.measureText(text).width;
+  };
   const serialized = window.app.graph.serialize();
   const byId = {};
   for (const n of serialized.nodes) byId[n.id] = n;
@@ -115,6 +120,10 @@ function pageGraphSnapshot() {
       })),
       widgets_values: byId[n.id] ? byId[n.id].widgets_values : undefined,
       properties: n.properties,
+      size: [n.size[0], n.size[1]],
+      // the title as the canvas measures it, and the room it is drawn in (width less two title heights)
+      titleWidth: measureWith(n.titleFontStyle || "14px Arial", String(n.title || "")),
+      titleRoom: n.size[0] - 2 * ((window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30),
     })),
     links: serialized.links.length,
   };
@@ -564,6 +573,8 @@ async function main() {
     timeout: T.load,
     viewport: { width: 1600, height: 1000 },
     deviceScaleFactor: 1,
+    // the test's fontconfig file: DejaVu Sans as the only sans font (ComfyUI's "Arial" falls back to it)
+    env: cfg.fontconfigFile ? { ...process.env, FONTCONFIG_FILE: cfg.fontconfigFile } : process.env,
     args: [
       "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
       "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -633,6 +644,18 @@ async function main() {
         vueSettingKnown: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled") !== undefined,
         vueNodes: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled"),
         startNodes: window.app.graph.nodes.length,
+        // the font the canvas gets for "Arial" (LiteGraph's NODE_FONT): widths of one title in three families
+        fonts: (() => {
+          const ctx = document.createElement("canvas").getContext("2d");
+          const text = "Negative prompt (empty = unconditional)";
+          const out = { text };
+          for (const [k, f] of [["arial", "14px Arial"], ["dejavu", "14px 'DejaVu Sans'"],
+            ["liberation", "14px 'Liberation Sans'"], ["nodeFont", `14px ${window.LiteGraph && window.LiteGraph.NODE_FONT}`]]) {
+            ctx.font = f;
+            out[k] = ctx.measureText(text).width;
+          }
+          return out;
+        })(),
         runButton: !!document.querySelector('[data-testid="queue-button"]'),
         openDialogs: [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText.slice(0, 120)),
       })));
