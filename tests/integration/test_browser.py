@@ -391,6 +391,7 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
         "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
         "docsViewport": {"width": 2400, "height": 900},
+        "layoutViewport": {"width": 3400, "height": 1100},  # the whole graph at 100 % for the layout checks
         "assetsMode": editor_assets["mode"],
         "pngSource": editor_assets["png_source"],
         "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},

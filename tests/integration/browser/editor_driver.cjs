@@ -343,7 +343,7 @@ async function reportState(id) {
 /** pageLayout() with every node on screen at (about) 100 %: the wide window, then back. */
 async function layoutSnapshot() {
   const vp = page.viewportSize();
-  const big = cfg.docsViewport || { width: 2400, height: 900 };
+  const big = cfg.layoutViewport || cfg.docsViewport || { width: 2400, height: 900 };
   await page.setViewportSize(big);
   await settle(800);
   const ids = await page.evaluate(() => window.app.graph.nodes.map((n) => n.id));
@@ -998,7 +998,11 @@ async function main() {
           { m: mark });
         rec.sampler = await waitForReport(cfg.stock.samplerId, "the KSampler's report widget");
         rec.report = await waitForReport(cfg.stock.reportId, "the LoRA Runtime Report node's report widget");
-        await focusNodes(Object.keys(wf.expected).map(Number), 30, 1.0);
+        // the two nodes with a report, near 100 % (the whole graph in this window is zoomed out so far
+        // that the canvas hides DOM widgets)
+        await focusNodes(ids, 30, 1.0);
+        rec.sampler = await reportState(cfg.stock.samplerId);
+        rec.report = await reportState(cfg.stock.reportId);
         await shot("stock_ksampler_report_after_run");
         rec.layout = await layoutSnapshot();
         rec.overlaps = overlaps(rec.layout);
