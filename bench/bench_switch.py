@@ -11,6 +11,8 @@ one per arm; every round times each arm once (order rotated), ratios within a ro
 - ``swap``: ``LoraInjector.apply(plan of the other adapter, mode=merge)`` with the
   current one merged: bit-exact restore (recompute + patch the recorded misses +
   fingerprint check), then merge.
+- ``swap (copy)``: the same with restore memory ``copy`` (the merge keeps a full copy of
+  each weight, like ComfyUI's backup): restore is a copy, then merge.
 - ``re-patch``: what ComfyUI's model patcher does per weight, written from its
   documented behaviour: put the backup back, keep a full backup copy of the weight,
   work in fp32 (``W.to(float32) + strength * alpha / rank * (up @ down)``, all fp32),
@@ -21,8 +23,9 @@ one per arm; every round times each arm once (order rotated), ratios within a ro
 
 Times are CPU seconds of this process (``time.process_time``, robust to other jobs on a
 shared machine) at ``--threads`` (default 1). After the rounds every weight of our copy
-is checked bit for bit against the untouched original. The last line is
-``swap / re-patch: <median of per-round ratios>``.
+is checked bit for bit against the untouched original (both restore memories). The last
+line is ``swap / re-patch: <median of per-round ratios>`` for the default (lean) restore
+memory; the line before it gives the ``copy`` one.
 """
 from __future__ import annotations
 
@@ -132,7 +135,7 @@ def main(argv=None) -> None:
     print(f"# {cfg.num_layers} blocks (dim {cfg.dim}, ffn {cfg.ffn_dim}), {len(names)} adapted bf16 linears "
           f"({wbytes / 2**20:.0f} MiB), rank {a.rank}, {a.rounds} rounds; CPU seconds per switch", flush=True)
     original = {n: model.get_submodule(n).weight.detach().clone() for n in names}
-    m_comfy, m_dyn = copy.deepcopy(model), copy.deepcopy(model)
+    m_comfy, m_dyn, m_copy = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     with tempfile.TemporaryDirectory() as tmp:
         factors, plans = {}, {}
         for which, seed in (("A", 1), ("B", 2)):
@@ -141,12 +144,15 @@ def main(argv=None) -> None:
             spec = [AdapterSpec(str(path), STRENGTH, name=which)]
             for mode in ("merge", "dynamic"):
                 plans[which, mode] = plan(model, spec, mode=mode)
+            plans[which, "copy"] = plan(model, spec, mode="merge", restore="copy")
         ours, dyn, comfy = LoraInjector(model), LoraInjector(m_dyn), RePatch(m_comfy, names, factors, a.rank)
+        ours_copy = LoraInjector(m_copy)
         first = {"merge": cpu_seconds(lambda: ours.apply(plans["A", "merge"])),
+                 "merge (copy)": cpu_seconds(lambda: ours_copy.apply(plans["A", "copy"])),
                  "dynamic": cpu_seconds(lambda: dyn.apply(plans["A", "dynamic"])),
                  "re-patch": cpu_seconds(lambda: comfy.patch("A"))}
         print("# first apply of A: " + ", ".join(f"{k} {v:.2f}s" for k, v in first.items()), flush=True)
-        cur = {"swap": "A", "re-patch": "A", "dynamic": "A", "split": "A"}
+        cur = {"swap": "A", "swap (copy)": "A", "re-patch": "A", "dynamic": "A", "split": "A"}
 
         def flip(arm: str) -> str:
             cur[arm] = "B" if cur[arm] == "A" else "A"
@@ -162,6 +168,7 @@ def main(argv=None) -> None:
             comfy.patch(flip("re-patch"))
 
         arms = {"swap": lambda: ours.apply(plans[flip("swap"), "merge"]),
+                "swap (copy)": lambda: ours_copy.apply(plans[flip("swap (copy)"), "copy"]),
                 "re-patch": repatch,
                 "dynamic": lambda: dyn.apply(plans[flip("dynamic"), "dynamic"])}
         t = {k: [] for k in (*arms, "restore", "merge")}
@@ -176,15 +183,17 @@ def main(argv=None) -> None:
                     t[k].append(cpu_seconds(arms[k]))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in t.items()), flush=True)
         ours.clear()
+        ours_copy.clear()
         dyn.clear()
-        exact = all(torch.equal(model.get_submodule(n).weight, original[n]) for n in names)
+        exact = all(torch.equal(m.get_submodule(n).weight, original[n]) for n in names for m in (model, m_copy))
     med = statistics.median
     ratio = {k: [x / y for x, y in zip(t[k], t[ref])] for k, ref in
-             (("swap", "re-patch"), ("dynamic", "merge"), ("restore", "re-patch"), ("merge", "re-patch"))}
+             (("swap", "re-patch"), ("swap (copy)", "re-patch"), ("dynamic", "merge"), ("restore", "re-patch"), ("merge", "re-patch"))}
     print(f"\n| arm | CPU s (median of {a.rounds}) | ratio (median of per-round) |")
     print("|---|---|---|")
     print(f"| re-patch (ComfyUI-style) | {med(t['re-patch']):.3f} | 1 |")
     print(f"| swap (restore + merge) | {med(t['swap']):.3f} | {med(ratio['swap']):.3f} x re-patch |")
+    print(f"| swap, restore memory copy | {med(t['swap (copy)']):.3f} | {med(ratio['swap (copy)']):.3f} x re-patch |")
     print(f"| restore alone | {med(t['restore']):.3f} | {med(ratio['restore']):.3f} x re-patch |")
     print(f"| merge alone | {med(t['merge']):.3f} | {med(ratio['merge']):.3f} x re-patch |")
     print(f"| dynamic apply | {med(t['dynamic']):.4f} | {med(ratio['dynamic']):.4f} x merge alone |")
@@ -192,6 +201,7 @@ def main(argv=None) -> None:
     if not exact:
         raise SystemExit("restore was not bit-exact")
     print(f"dynamic / merge: {med(ratio['dynamic']):.4f}")
+    print(f"swap (restore memory copy) / re-patch: {med(ratio['swap (copy)']):.3f}")
     print(f"swap / re-patch: {med(ratio['swap']):.3f}")
 
 

@@ -13,7 +13,8 @@ from .decision.policy import DecisionCache, MergeDecision, decide, measure_share
 from .layer.runtime_context import RuntimeContext, current_context, runtime_context
 from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,
                        sampling_schedules)
-from .settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, Tier, parse_merge_mode, parse_tier
+from .settings import (AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, RestoreMemory, Tier, parse_merge_mode,
+                       parse_restore_memory, parse_tier)
 from .layer.wrapper import LoraLinear, mergeable
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -29,7 +29,8 @@ from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .layer.schedule import Branch, Schedule, parse_branch, varies
 from .scaling import combined_factor
-from .settings import MergeMode, Tier, check_strength, parse_merge_mode, parse_tier
+from .settings import (DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength, parse_merge_mode,
+                       parse_restore_memory, parse_tier)
 from .layer.wrapper import LoraLinear, attached_wrapper
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Plan:
     # module name -> why its weight must not be merged into (set by the host, e.g. ComfyUI
     # patches that weight itself and may restore its own backup into it mid-sampling)
     merge_refusals: dict[str, str] = field(default_factory=dict)
+    restore: RestoreMemory = DEFAULT_RESTORE_MEMORY   # what a merge keeps to restore the weight
 
     def modules(self) -> list[str]:
         """Modules that get a wrapper (parameter deltas are not modules)."""
@@ -85,9 +87,10 @@ class Plan:
         return list(seen)
 
 
-def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_adapter) -> Plan:
+def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_adapter,
+         restore=DEFAULT_RESTORE_MEMORY) -> Plan:
     """Load and match every adapter; validate settings. Touches nothing on the model."""
-    mode, tier = parse_merge_mode(mode), parse_tier(tier)
+    mode, tier, restore = parse_merge_mode(mode), parse_tier(tier), parse_restore_memory(restore)
     planned: list[PlannedAdapter] = []
     used: set[str] = set()
     for spec in specs:
@@ -109,7 +112,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
         layers, coverage = match_adapter(adapter, model, lenient=spec.lenient)
         coverage.adapter = name  # the report joins coverage and adapters by the planned name
         planned.append(PlannedAdapter(name, spec, adapter, layers, coverage))
-    return Plan(mode, tier, planned)
+    return Plan(mode, tier, planned, restore=restore)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class ApplyReport:
     adapters: list[dict]
     layers_wrapped: int = 0
     restore_bytes: int = 0
+    restore_memory: str = DEFAULT_RESTORE_MEMORY.value
     merged_weight_bytes: int = 0
     patch_seconds: float = 0.0
     fusions: list[dict] = field(default_factory=list)
@@ -133,6 +137,7 @@ class ApplyReport:
             "adapters": self.adapters,
             "layers_wrapped": self.layers_wrapped,
             "restore_bytes": self.restore_bytes,
+            "restore_memory": self.restore_memory,
             "merged_weight_bytes": self.merged_weight_bytes,
             "patch_seconds": round(self.patch_seconds, 4),
             "fusions": self.fusions,
@@ -219,6 +224,7 @@ class LoraInjector:
         for name, entries in wanted.items():
             w = self.wrappers.get(name) or self._wrap(name)
             w.merge_refusal = p.merge_refusals.get(name, "")
+            w.restore_copy = p.restore is RestoreMemory.COPY
             w.set_slots([(pa.name, la, pa.spec.strength, pa.spec.enabled, pa.adapter.content_hash)
                          for pa, la in entries])
         wrappers = [self.wrappers[n] for n in wanted]
@@ -247,6 +253,7 @@ class LoraInjector:
                        **({"branch": pa.spec.branch.value} if pa.spec.branch is not Branch.BOTH else {})}
                       for pa in p.adapters],
             layers_wrapped=len(self.wrappers),
+            restore_memory=p.restore.value,
             restore_bytes=sum(w.restore_bytes for w in self.wrappers.values())
             + sum(pp.restore_bytes for pp in self.params.values()),
             merged_weight_bytes=sum(w.weight.numel() * w.weight.element_size()

@@ -54,6 +54,21 @@ class MergeMode(str, enum.Enum):
 DEFAULT_MERGE_MODE = MergeMode.AUTO
 
 
+class RestoreMemory(str, enum.Enum):
+    """What a merge keeps to restore the weight bit for bit afterwards.
+
+    ``lean`` (default): only the elements a recomputation ``round(W' - dW)`` misses (a
+    full copy only where that is smaller); restoring recomputes the delta.
+    ``copy``: a full copy of each merged weight (in CPU memory for an accelerator's
+    weight); restoring is a copy, so switching adapters is fastest, at one weight copy each.
+    """
+    LEAN = "lean"
+    COPY = "copy"
+
+
+DEFAULT_RESTORE_MEMORY = RestoreMemory.LEAN
+
+
 def parse_tier(value) -> Tier:
     if isinstance(value, Tier):
         return value
@@ -63,6 +78,18 @@ def parse_tier(value) -> Tier:
         raise ConfigError(
             f"unknown quality tier {value!r}: use one of "
             f"{', '.join(t.value for t in Tier)} (default {DEFAULT_TIER.value})"
+        ) from None
+
+
+def parse_restore_memory(value) -> RestoreMemory:
+    if isinstance(value, RestoreMemory):
+        return value
+    try:
+        return RestoreMemory(str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(
+            f"unknown restore memory {value!r}: use one of "
+            f"{', '.join(m.value for m in RestoreMemory)} (default {DEFAULT_RESTORE_MEMORY.value})"
         ) from None
 
 

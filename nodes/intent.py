@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from ..lora_runtime import AdapterSpec
 from ..lora_runtime.layer.schedule import Branch, Schedule
-from ..lora_runtime.settings import DEFAULT_MERGE_MODE, DEFAULT_TIER, MergeMode, Tier
+from ..lora_runtime.settings import (DEFAULT_MERGE_MODE, DEFAULT_RESTORE_MEMORY, DEFAULT_TIER, MergeMode, RestoreMemory,
+                                     Tier)
 
 KEY = "lora_runtime"
 
@@ -37,6 +38,7 @@ class Intent:
     adapters: tuple[AdapterIntent, ...] = ()
     mode: MergeMode = DEFAULT_MERGE_MODE
     tier: Tier = DEFAULT_TIER
+    restore: RestoreMemory = DEFAULT_RESTORE_MEMORY   # what a merge keeps to restore the weights
 
     @property
     def touches_model(self) -> bool:

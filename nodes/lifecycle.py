@@ -89,7 +89,7 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     steps = max(1, len(sigmas) - 1)
     dm = patcher.get_model_object("diffusion_model")
-    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load)
+    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
     p.merge_refusals = host_patched_layers(patcher)
     schedules = _schedules(p, sigmas, patcher)  # a malformed schedule fails here, before anything is applied
     t0 = time.perf_counter()

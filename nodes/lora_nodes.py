@@ -18,7 +18,8 @@ from .. import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
 from ..lora_runtime.files.adapter import check_adapter_file
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule
-from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, Tier, check_strength
+from ..lora_runtime.settings import (STRENGTH_MAX, STRENGTH_MIN, MergeMode, RestoreMemory, Tier, check_strength,
+                                     parse_restore_memory)
 from . import intent, lifecycle, report
 from .caches import ADAPTERS
 
@@ -109,15 +110,22 @@ class LoraMergeMode:
             "mode": ([m.value for m in MergeMode], {"default": MergeMode.AUTO.value, "tooltip":
                      "auto: merge unless a merge would round away more than half of the adapters' update; "
                      "merge: always fold into the weights; dynamic: never touch the weights."}),
+        }, "optional": {
+            "restore_memory": ([m.value for m in RestoreMemory], {"default": RestoreMemory.LEAN.value, "tooltip":
+                               "What a merge keeps to put the weights back bit for bit after sampling. lean: only "
+                               "the few values a recomputation misses (about 1 % of a weight); copy: a full copy "
+                               "of each merged weight (in CPU memory for a GPU weight), so switching adapters is "
+                               "about twice as fast, at one copy of every adapted weight."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "set_mode"
     CATEGORY = CATEGORY
-    DESCRIPTION = "How any sampler that samples this model applies its adapters: merged into the weights or not."
+    DESCRIPTION = ("How any sampler that samples this model applies its adapters: merged into the weights or not, "
+                   "and what a merge keeps to restore them.")
 
-    def set_mode(self, model, mode):
-        return (intent.with_changes(model, mode=MergeMode(mode)),)
+    def set_mode(self, model, mode, restore_memory=RestoreMemory.LEAN.value):
+        return (intent.with_changes(model, mode=MergeMode(mode), restore=parse_restore_memory(restore_memory)),)
 
 
 class LoraQualityTier:

@@ -41,6 +41,7 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         "params": d.get("params", []),
         "patch_seconds": d["patch_seconds"],
         "restore_bytes": d["restore_bytes"],
+        "restore_memory": d.get("restore_memory", "lean"),
         "sample_seconds": round(sample_seconds, 4),
         "seconds_per_step": round(sample_seconds / max(1, steps), 4),
     }
@@ -84,5 +85,7 @@ def text(r: dict) -> str:
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
+    if r.get("restore_bytes"):
+        lines.append(f"  restore record ({r.get('restore_memory', 'lean')}): {r['restore_bytes'] / 2**20:.1f} MiB")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)

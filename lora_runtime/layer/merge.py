@@ -4,7 +4,7 @@ All three work on a weight ``W`` [out, in] and a function ``delta_rows(rows)`` t
 returns the fp32 delta for a row selection (a slice or an index tensor), so the
 merge, the restore and the rounding-loss estimate share one slicing and scaling.
 
-Merge: ``W' = round(fp32(W) + dW)``, one rounding to the weight dtype, in row chunks
+Merge: ``W' = round(fp32(W) + dW)`` (fp64 for an fp64 weight), one rounding to the weight dtype, in row chunks
 so the temporaries stay under ``chunk_bytes`` (on the CPU small enough to stay in
 cache). Each chunk's delta is computed once: the chunk is checked finite, the restore
 simulated on it (its misses recorded), then written. A NaN/Inf or an interrupt
@@ -168,7 +168,7 @@ def _non_finite_error(what: str, r: int, c: int) -> NonFiniteMergeError:
 def _restore_rows(wc: torch.Tensor, d: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
                   offset: int) -> None:
     """wc (rows of the merged weight starting at flat `offset`) <- round(wc - d), then the misses."""
-    wc.copy_(wc.to(torch.float32, copy=True).sub_(d))
+    wc.copy_(torch.sub(wc, d))   # wc promoted exactly (to fp32 for half types): fp32(wc) - d, in one pass
     if index.numel():
         wc.view(-1)[index - offset] = values
 
@@ -184,9 +184,43 @@ def _misses(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return flat, b.reshape(-1)[flat]
 
 
+def _check_finite(new: torch.Tensor, old: torch.Tensor, what: str, row0: int) -> None:
+    """Raise where `new` (a merged chunk) is non-finite and `old` (its original) was finite.
+    One min/max reduction in the common case (both propagate NaN and show an inf)."""
+    lo, hi = torch.aminmax(new)
+    if bool(torch.isfinite(torch.stack((lo, hi))).all()):
+        return
+    bad = (~torch.isfinite(new) & torch.isfinite(old.to(new.device))).nonzero()
+    if bad.numel():
+        raise _non_finite_error(what, row0 + int(bad[0, 0]), int(bad[0, 1]))
+
+
+def _merge_keeping_copy(w: torch.Tensor, delta_rows: DeltaRows, what: str, chunk_bytes: int,
+                        fp: tuple[int, int]) -> RestoreRecord:
+    """Restore memory ``copy``: each chunk's original goes to the copy, then the merged bits
+    (the same single rounding) are written and checked finite. Any failure part-way (a
+    non-finite value, an interrupt) puts the copy back over every chunk written."""
+    rows, cols = w.shape
+    full = torch.empty_like(w, device="cpu") if w.device.type != "cpu" else torch.empty_like(w)
+    done = 0    # rows whose original is in `full` (written or about to be)
+    try:
+        for sl in row_chunks(rows, cols, chunk_bytes):
+            wc = w[sl]
+            d = delta_rows(sl)
+            full[sl].copy_(wc)
+            done = sl.stop
+            wc.copy_(torch.add(wc, d))   # fp32(wc) + d (exact promotion), rounded once by the copy
+            _check_finite(wc, full[sl], what, sl.start)   # raising puts the copy back (below)
+    except BaseException:
+        w[:done].copy_(full[:done])
+        raise
+    return RestoreRecord("full", tuple(w.shape), w.dtype, fp, full=full)
+
+
 @torch.no_grad()
 def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
-                 chunk_bytes: int | None = None, known_fingerprint: tuple[int, int] | None = None) -> RestoreRecord:
+                 chunk_bytes: int | None = None, known_fingerprint: tuple[int, int] | None = None,
+                 keep_copy: bool = False) -> RestoreRecord:
     """Fold the delta into `weight` in place; return what restores it bit for bit.
 
     One pass over row chunks: the delta is computed once per chunk, checked finite,
@@ -194,6 +228,7 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
     (a non-finite value, an interrupt) restores the chunks already written bit for bit
     before it propagates, so no weight is left modified. `known_fingerprint`: the
     weight's fingerprint when the caller has just verified it (skips one read).
+    `keep_copy`: keep a full copy instead of simulating the restore (restore memory ``copy``).
     """
     if weight.dtype not in _INT_VIEW:
         raise TypeError(f"{what}: cannot merge into dtype {weight.dtype}")
@@ -201,6 +236,8 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
     rows, cols = w.shape
     chunk_bytes = chunk_bytes or chunk_bytes_for(w.device)
     fp = known_fingerprint if known_fingerprint is not None else fingerprint(w)
+    if keep_copy:
+        return _merge_keeping_copy(w, delta_rows, what, chunk_bytes, fp)
     idx_dtype = torch.int32 if w.numel() < 2**31 else torch.int64
     full_bytes = w.numel() * w.element_size()
     per_miss = torch.empty(0, dtype=idx_dtype).element_size() + w.element_size()
@@ -213,8 +250,8 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
         for sl in row_chunks(rows, cols, chunk_bytes):
             wc = w[sl]
             d = delta_rows(sl)
-            new = wc.to(torch.float32, copy=True).add_(d).to(w.dtype)
-            back = new.to(torch.float32, copy=True).sub_(d).to(w.dtype)   # what a restore will compute
+            new = torch.add(wc, d).to(w.dtype)                  # fp32(wc) + d (exact promotion), one rounding
+            back = torch.sub(new, d).to(w.dtype)                 # what a restore will compute
             flat, vals = _misses(back, wc)
             if flat.numel():  # a non-finite result never restores to a finite original: it is a miss
                 nv = new.reshape(-1)[flat.to(new.device)]
@@ -262,7 +299,7 @@ def restore_weight(weight: torch.Tensor, record: RestoreRecord, delta_rows: Delt
             "something cast or replaced it while the adapter was merged, so it cannot be restored bit for bit. "
             "Reload the model, and use merge mode 'dynamic' with whatever changes the weight")
     if record.kind == "full":
-        w.copy_(record.full)
+        w.copy_(record.full)   # a copy kept in CPU memory goes back to the weight's device
     else:
         rows, cols = w.shape
         chunks = list(row_chunks(rows, cols, chunk_bytes or chunk_bytes_for(w.device)))

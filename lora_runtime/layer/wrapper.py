@@ -12,7 +12,8 @@ Contract
   ``diff_b`` offsets are added at run time even when the weight is merged. A runtime scale of
   0.0 returns the base output.
 - ``merge()`` folds the live slots' weight deltas into the weight with one rounding;
-  ``unmerge()`` restores it bit for bit.
+  ``unmerge()`` restores it bit for bit (from the lean record, or a full copy when
+  ``restore_copy`` is set).
 - ``stack(device, dtype)`` is what a fused kernel takes for this call, or None.
 The paths and their numerics: docs/engine.md.
 """
@@ -139,6 +140,7 @@ class LoraLinear(nn.Module):
         self._prev_forward = None     # an instance forward another patch had set, restored on detach
         self._attached = False
         self.merge_refusal = ""       # set by the host: why this layer's weight must not be merged into
+        self.restore_copy = False     # restore memory 'copy': a merge keeps a full copy of the weight
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
@@ -358,7 +360,7 @@ class LoraLinear(nn.Module):
         known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
             self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name,
-                                         known_fingerprint=known_fp)
+                                         known_fingerprint=known_fp, keep_copy=self.restore_copy)
         except BaseException:
             for s in slots:
                 s.frozen_delta = None

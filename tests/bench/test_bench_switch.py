@@ -13,5 +13,6 @@ def test_bench_switch_smoke_prints_its_ratio_line():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert "restore bit-exact over every weight after 3 merges: True" in proc.stdout
-    assert lines[-2].startswith("dynamic / merge: ")
+    assert lines[-3].startswith("dynamic / merge: ")
+    assert lines[-2].startswith("swap (restore memory copy) / re-patch: ")
     assert lines[-1].startswith("swap / re-patch: ") and float(lines[-1].split(": ")[1]) > 0
