@@ -189,14 +189,14 @@ def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", p
     layout = {1: (0, 0)}
     if stack_rows is not None:  # the LoRA Stack in the loader's place
         n[2] = ("LoraRuntimeStack", {"model": model, "rows": json.dumps(stack_rows), "unmatched_keys": "error"})
-        n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode})
+        n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode, "restore_memory": "lean"})
         model = (3, 0)
         layout.update({2: (1, 0), 3: (2, 0)})
     elif adapter:
         n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength,
                                          "unmatched_keys": "error", "strength_schedule": schedule,
                                          "branch": "both"})
-        n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode})
+        n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode, "restore_memory": "lean"})
         model = (3, 0)
         layout.update({2: (1, 0), 3: (2, 0)})
     n[4] = ("LoraRuntimeQualityTier", {"model": model, "tier": tier})
@@ -217,7 +217,7 @@ def _template(about, loader_nodes, model, clip, vae, latent, pos_text, neg_text,
     n = dict(loader_nodes)
     n[20] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": lora, "strength": 1.0, "unmatched_keys": "error",
                                         "strength_schedule": "", "branch": "both"})
-    n[21] = ("LoraRuntimeMergeMode", {"model": (20, 0), "mode": "auto"})
+    n[21] = ("LoraRuntimeMergeMode", {"model": (20, 0), "mode": "auto", "restore_memory": "lean"})
     n[22] = ("LoraRuntimeQualityTier", {"model": (21, 0), "tier": "lossless"})
     n[23] = ("CLIPTextEncode", {"clip": clip, "text": pos_text})
     n[24] = ("CLIPTextEncode", {"clip": clip, "text": neg_text})
