@@ -79,18 +79,19 @@ def text(r: dict) -> str:
     ]
     if dec.get("kept_dynamic"):
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
-    for a in r["adapters"]:
+    for a in r["adapters"]:  # as on the node: the layer count and the decision first, then the file
         c = a.get("coverage") or {}
         ad = a.get("decision") or {}
-        lines.append(f"  {a['name']} x{a['strength']}: {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"
-                     + (f" ({c['format']})" if c.get("format") else "")
-                     + (", " + ", ".join(f"{n} {k}" for k, n in sorted(c["kinds"].items()))
-                        if set(c.get("kinds") or {}) - {"lora"} else "")
+        lines.append(f"  {c.get('matched', '?')}/{c.get('file_layers', '?')} layers"
                      + (f", {c['unmatched']} layers or keys ({c.get('unmatched_tensors', '?')} tensors) not loaded"
                         if c.get("unmatched") else "")
-                     + (f"; {ad.get('reason') if ad.get('chosen') == 'off' else ad['chosen']}" if ad.get("chosen")
+                     + (f", {ad.get('reason') if ad.get('chosen') == 'off' else ad['chosen']}" if ad.get("chosen")
                         else "")
-                     + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else ""))
+                     + (f" (a merge would lose {ad['share_lost']:.1%})" if ad.get("share_lost") is not None else "")
+                     + f": {a['name']} x{a['strength']}"
+                     + (f" ({c['format']})" if c.get("format") else "")
+                     + (", " + ", ".join(f"{n} {k}" for k, n in sorted(c["kinds"].items()))
+                        if set(c.get("kinds") or {}) - {"lora"} else ""))
         if a.get("clip"):
             lines.append(f"    {a['clip']}")
         elif c.get("text_encoder_layers"):

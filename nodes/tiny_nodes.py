@@ -9,7 +9,12 @@ from __future__ import annotations
 import functools
 import torch
 
-CATEGORY = "lora runtime/embedded model"
+# A category of their own, marked demo, apart from the pack's LoRA nodes ("loaders/lora runtime"):
+# these nodes work only with the embedded tiny model. They stay listed in the editor (its
+# example workflows need them); ComfyUI's only way to leave a node out of its node list, the
+# DEPRECATED flag, would also label them deprecated on the canvas, which they are not.
+CATEGORY = "lora runtime demo (embedded tiny model only)"
+DEMO_NOTE = "Demo node for the pack's embedded tiny model only (64x64 glyphs; not for other models). "
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +41,7 @@ class TinyTextEncode:
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "encode"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Text encoder of the embedded tiny Wan model: prompt -> Wan-shaped conditioning [1, L, 4096]."
+    DESCRIPTION = DEMO_NOTE + "Its text encoder: prompt -> Wan-shaped conditioning [1, L, 4096]."
 
     @classmethod
     def VALIDATE_INPUTS(cls, text):
@@ -58,7 +63,7 @@ class TinyDecode:
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Decoder of the embedded model's codec: LATENT -> 64x64 IMAGE."
+    DESCRIPTION = DEMO_NOTE + "Decoder of its codec: LATENT -> 64x64 IMAGE."
 
     def decode(self, samples):
         with torch.no_grad():
@@ -73,7 +78,7 @@ class TinyEncode:
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Encoder of the embedded model's codec: 64x64 IMAGE -> LATENT."
+    DESCRIPTION = DEMO_NOTE + "Encoder of its codec: 64x64 IMAGE -> LATENT."
 
     def encode(self, pixels):
         with torch.no_grad():
@@ -86,7 +91,7 @@ NODE_CLASS_MAPPINGS = {
     "LoraRuntimeTinyEncode": TinyEncode,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
-    "LoraRuntimeTinyTextEncode": "Tiny Text Encode (embedded model)",
-    "LoraRuntimeTinyDecode": "Tiny Decode (embedded model)",
-    "LoraRuntimeTinyEncode": "Tiny Encode (embedded model)",
+    "LoraRuntimeTinyTextEncode": "Demo: Tiny Text Encode (embedded model only)",
+    "LoraRuntimeTinyDecode": "Demo: Tiny Decode (embedded model only)",
+    "LoraRuntimeTinyEncode": "Demo: Tiny Encode (embedded model only)",
 }

@@ -1,9 +1,9 @@
-"""Write example_workflows/ (ComfyUI's template browser reads a pack's `example_workflows`
-folder: NAME.json plus NAME.jpg as its thumbnail) and docs/icon.png (the registry icon).
+"""Write the thumbnails of example_workflows/ (ComfyUI's template browser reads a pack's
+`example_workflows` folder: NAME.json plus NAME.jpg as its thumbnail) and docs/icon.png (the registry icon).
 
     python tools/make_example_workflows.py --demo output/demo
 
-- NAME.json: a copy of workflows/NAME.ui.json (the UI format the editor opens).
+- NAME.json: written by tools/make_workflows.py (the UI format the editor opens).
 - NAME.jpg for an embedded_* workflow: its images from the main job's output folder
   (`python -m comfyui_lora_runtime demo --output DIR`), one per prompt, 2 x 2.
 - NAME.jpg for a template_* workflow (it needs models the repo does not ship): a drawing
@@ -14,23 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "workflows"
 OUT = ROOT / "example_workflows"
 ICON = ROOT / "docs" / "icon.png"
 THUMB = 256
 # embedded workflow -> the main job's run whose images show it (demo.RUNS keys)
 RUN_OF = {"embedded_base": "base", "embedded_style": "style_auto", "embedded_style_diffusers": "style_diffusers",
-          "embedded_distilled": "distilled_auto", "embedded_distilled_first_half": "distilled_half"}
+          "embedded_distilled": "distilled_auto", "embedded_distilled_first_half": "distilled_half",
+          # the stack of style (on) + distilled (off) gives embedded_style's images (tests/workflows)
+          "embedded_style_stack": "style_auto"}
 
 
 def names() -> list[str]:
-    return sorted(p.name[:-len(".ui.json")] for p in SRC.glob("*.ui.json"))
+    return sorted(p.stem for p in OUT.glob("*.json"))
 
 
 def grid(files: list[str], size: int = THUMB) -> Image.Image:
@@ -80,14 +80,13 @@ def main(argv=None) -> int:
     decisions = {r["run"]: r for r in json.loads((Path(args.demo) / "decisions.json").read_text())}
     OUT.mkdir(exist_ok=True)
     for name in names():
-        shutil.copyfile(SRC / f"{name}.ui.json", OUT / f"{name}.json")
         if name in RUN_OF:
             thumb = grid(decisions[RUN_OF[name]]["files"])
         else:
-            thumb = graph_drawing(json.loads((SRC / f"{name}.ui.json").read_text()))
+            thumb = graph_drawing(json.loads((OUT / f"{name}.json").read_text()))
         thumb.save(OUT / f"{name}.jpg", quality=90)
     grid(decisions["style_auto"]["files"]).save(ICON, optimize=True)
-    print(f"wrote {len(names())} workflows and thumbnails to {OUT} and the icon {ICON}")
+    print(f"wrote {len(names())} thumbnails to {OUT} and the icon {ICON}")
     return 0
 
 

@@ -1,11 +1,17 @@
-"""Write the saved workflows in workflows/ (API format and UI format) from one description.
+"""Write the saved workflows from one description: API format in api_workflows/, UI format in
+example_workflows/ (the folder ComfyUI's template browser reads; its thumbnails are made by
+tools/make_example_workflows.py).
 
-    python tools/make_workflows.py            # rewrite workflows/*.json
+    python tools/make_workflows.py            # rewrite api_workflows/*.api.json and example_workflows/*.json
 
 Each graph below is described once; the API file is what POST /prompt takes, the UI
 file is what ComfyUI's editor loads (drag-and-drop) with the same widget values.
 Widget order comes from the node classes' INPUT_TYPES for our nodes and the bundled
 core nodes, and from `COMFY_ONLY` for ComfyUI nodes the bundled host does not have.
+Node sizes and places come from their content measured for the widest plausible font
+(tools/workflow_layout.py), so no node covers another whatever font the browser has.
+ComfyUI also lists every .json under a pack's workflows/, workflow/, examples/ and example/
+folders as templates: the API files live under api_workflows/, which it does not scan.
 """
 from __future__ import annotations
 
@@ -13,8 +19,15 @@ import json
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: python tools/make_workflows.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import workflow_layout as layout
+else:
+    from . import workflow_layout as layout
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "workflows"
+API_OUT = ROOT / "api_workflows"
+UI_OUT = ROOT / "example_workflows"
 
 # ComfyUI nodes outside the bundled host: (socket inputs, widget names, outputs)
 COMFY_ONLY = {
@@ -31,6 +44,16 @@ COMFY_ONLY = {
                          [("positive", "CONDITIONING"), ("negative", "CONDITIONING")]),
     "EmptyLTXVLatentVideo": ([], ["width", "height", "length", "batch_size"], [("LATENT", "LATENT")]),
 }
+# ComfyUI-only widgets that are multi-line text boxes
+COMFY_ONLY_MULTILINE = {("CLIPTextEncode", "text")}
+# titles ComfyUI gives the core nodes (NODE_DISPLAY_NAME_MAPPINGS); a node not named here shows its class name
+CORE_TITLES = {"UNETLoader": "Load Diffusion Model", "CLIPLoader": "Load CLIP", "VAELoader": "Load VAE",
+               "CLIPTextEncode": "CLIP Text Encode (Prompt)", "VAEDecode": "VAE Decode", "SaveImage": "Save Image",
+               "CheckpointLoaderSimple": "Load Checkpoint"}
+# the LoRA Stack's editor widgets (web/lora_stack.js): per row, then the add button
+STACK_ROW_WIDGETS = ("LoRA {n}", "{n} file", "{n} strength", "{n} schedule", "{n} branch", "{n} blocks",
+                     "\u2715 remove LoRA {n}")
+STACK_ADD = "+ Add LoRA"
 SOCKET_TYPES = {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK", "SIGMAS", "NOISE", "GUIDER",
                 "SAMPLER"}
 
@@ -64,6 +87,53 @@ def signature(class_type: str, classes: dict):
     return sockets, widgets, outputs, bool(getattr(cls, "OUTPUT_NODE", False))
 
 
+def title_of(class_type: str, graph: dict, nid: int) -> str:
+    """The title the editor draws: the graph's own, else the node's display name."""
+    if nid in graph.get("titles", {}):
+        return graph["titles"][nid]
+    from comfyui_lora_runtime import NODE_DISPLAY_NAME_MAPPINGS
+    return NODE_DISPLAY_NAME_MAPPINGS.get(class_type) or CORE_TITLES.get(class_type) or class_type
+
+
+def multiline_widgets(class_type: str, classes: dict) -> set[str]:
+    if class_type in COMFY_ONLY:
+        return {w for c, w in COMFY_ONLY_MULTILINE if c == class_type}
+    spec = classes[class_type].INPUT_TYPES()
+    return {name for section in ("required", "optional") for name, s in (spec.get(section) or {}).items()
+            if len(s) > 1 and isinstance(s[1], dict) and s[1].get("multiline")}
+
+
+def shown_widgets(class_type: str, classes: dict, values: dict) -> list[tuple[str, str, bool]]:
+    """(label, value, multiline) of each widget the editor draws for this node."""
+    _, widgets, _, _ = signature(class_type, classes)
+    if class_type == "LoraRuntimeStack":  # the rows text is hidden; one line of widgets per row
+        from comfyui_lora_runtime.nodes.stack_node import parse_rows
+        out = []
+        for n, row in enumerate(parse_rows(values["rows"]), 1):
+            shown = ("off" if not row["on"] else "on", row["lora"], layout.value_text(row["strength"]),
+                     row["schedule"], row["branch"], row.get("blocks", ""), "")
+            out += [(label.format(n=n), v, False) for label, v in zip(STACK_ROW_WIDGETS, shown)]
+        out.append((STACK_ADD, "", False))
+        return out + [(name, layout.value_text(values[name]), False) for name, _ in widgets if name != "rows"]
+    multi = multiline_widgets(class_type, classes)
+    out = []
+    for name, control in widgets:
+        out.append((name, layout.value_text(values[name]), name in multi))
+        if control:
+            out.append(("control after generate", "randomize", False))
+    return out
+
+
+def node_sizes(graph: dict, classes: dict) -> dict:
+    """{node id: [width, height]} from each node's content (tools/workflow_layout.py)."""
+    sizes = {}
+    for nid, (ctype, values) in graph["nodes"].items():
+        sockets, _, outputs, _ = signature(ctype, classes)
+        sizes[nid] = layout.node_size(title_of(ctype, graph, nid), [n for n, _ in sockets], [n for n, _ in outputs],
+                                      shown_widgets(ctype, classes, values))
+    return sizes
+
+
 def api_format(graph: dict) -> dict:
     out = {}
     for nid, (ctype, values) in graph["nodes"].items():
@@ -78,6 +148,8 @@ def ui_format(graph: dict, classes: dict) -> dict:
     link_id = 0
     out_links: dict[tuple[int, int], list[int]] = {}
     pending = []
+    sizes = node_sizes(graph, classes)
+    places = layout.table_positions(graph["layout"], sizes)
     for order, (nid, (ctype, values)) in enumerate(graph["nodes"].items()):
         sockets, widgets, outputs, _ = signature(ctype, classes)
         inputs = []
@@ -98,8 +170,7 @@ def ui_format(graph: dict, classes: dict) -> dict:
             wv.append(values[name])
             if control:
                 wv.append("fixed")
-        col, row = graph["layout"][nid]
-        node = {"id": nid, "type": ctype, "pos": [40 + 330 * col, 40 + 200 * row], "size": [300, 130],
+        node = {"id": nid, "type": ctype, "pos": places[nid], "size": sizes[nid],
                 "flags": {}, "order": order, "mode": 0, "inputs": inputs, "outputs": [],
                 "properties": {"Node name for S&R": ctype}, "widgets_values": wv}
         if nid in graph.get("titles", {}):
@@ -114,11 +185,16 @@ def ui_format(graph: dict, classes: dict) -> dict:
 
 
 def _embedded(about, adapter=None, strength=1.0, mode="auto", tier="lossless", prompt="white 7", batch=4,
-              cfg=5.0, prefix="lora_runtime/embedded", schedule="", steps=20):
+              cfg=5.0, prefix="lora_runtime/embedded", schedule="", steps=20, stack_rows=None):
     n = {1: ("UNETLoader", {"unet_name": "tiny_wan_glyphs.safetensors", "weight_dtype": "default"})}
     model = (1, 0)
     layout = {1: (0, 0)}
-    if adapter:
+    if stack_rows is not None:  # the LoRA Stack in the loader's place
+        n[2] = ("LoraRuntimeStack", {"model": model, "rows": json.dumps(stack_rows), "unmatched_keys": "error"})
+        n[3] = ("LoraRuntimeMergeMode", {"model": (2, 0), "mode": mode, "restore_memory": "lean"})
+        model = (3, 0)
+        layout.update({2: (1, 0), 3: (2, 0)})
+    elif adapter:
         n[2] = ("LoraRuntimeLoadAdapter", {"model": model, "lora_name": adapter, "strength": strength,
                                          "unmatched_keys": "error", "strength_schedule": schedule,
                                          "branch": "both", "blocks": ""})
@@ -174,6 +250,14 @@ def graphs() -> dict:
             "bf16 ulp, so auto keeps it dynamic on bf16 weights. 4 steps, cfg 1 (what it is distilled for).",
             adapter="glyph_distilled_cfg.safetensors", cfg=1.0, steps=4, prefix="lora_runtime/distilled"),
     }
+    g["embedded_style_stack"] = _embedded(
+        "Embedded tiny Wan 2.1 with the LoRA Stack: row 1, the outline style adapter at strength 1, on; row 2, "
+        "the distilled adapter, switched off (a row that is off is left out, as a loader not in the chain). The "
+        "same images as embedded_style, which chains one Load LoRA Adapter.",
+        prefix="lora_runtime/style_stack", stack_rows=[
+            {"on": True, "lora": "glyph_outline_style.safetensors", "strength": 1.0, "schedule": "", "branch": "both"},
+            {"on": False, "lora": "glyph_distilled_cfg.safetensors", "strength": 1.0, "schedule": "",
+             "branch": "both"}])
     g["embedded_distilled_first_half"] = _embedded(
         "Embedded tiny Wan 2.1, distilled adapter on the first half of the denoising only (strength_schedule "
         "'0:1, 0.5:0', keyframes in ComfyUI's start_percent convention), cfg 1: the strength changes at run "
@@ -238,11 +322,12 @@ def graphs() -> dict:
 
 def main() -> None:
     classes = node_classes()
-    OUT.mkdir(exist_ok=True)
+    API_OUT.mkdir(exist_ok=True)
+    UI_OUT.mkdir(exist_ok=True)
     for name, graph in graphs().items():
-        (OUT / f"{name}.api.json").write_text(json.dumps(api_format(graph), indent=1) + "\n")
-        (OUT / f"{name}.ui.json").write_text(json.dumps(ui_format(graph, classes), indent=1) + "\n")
-        print(f"wrote workflows/{name}.api.json and .ui.json")
+        (API_OUT / f"{name}.api.json").write_text(json.dumps(api_format(graph), indent=1) + "\n")
+        (UI_OUT / f"{name}.json").write_text(json.dumps(ui_format(graph, classes), indent=1) + "\n")
+        print(f"wrote api_workflows/{name}.api.json and example_workflows/{name}.json")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 // garbage) and never throws.
 
 const MAX_TITLE_SITES = 12;
+// A file name on a line is cut in the middle past this many characters (head … tail): the line
+// starts with the layer count and the decision, and a line cut at the node's edge keeps them.
+export const MAX_NAME_CHARS = 28;
 
 function isObj(v) {
   return v !== null && typeof v === "object" && !Array.isArray(v);
@@ -35,6 +38,23 @@ function safe(fn, fallback) {
     }
   };
 }
+
+/**
+ * A name cut in the middle to at most `max` characters ("glyph_outlin…ers.safetensors"): the start
+ * and the end (extension) stay; the whole name is in the line's hover text.
+ */
+export const middleEllipsis = safe((name, max = MAX_NAME_CHARS) => {
+  const text = str(name);
+  const chars = Array.from(text);
+  const limit = Math.max(3, Math.floor(num(max) ?? MAX_NAME_CHARS));
+  if (chars.length <= limit) return text;
+  const keep = limit - 1;
+  const head = Math.ceil(keep / 2);
+  return `${chars.slice(0, head).join("")}\u2026${chars.slice(chars.length - (keep - head)).join("")}`;
+}, "");
+
+/** A file name as a line shows it: without ".safetensors", cut in the middle when long. */
+export const shortName = safe((name) => middleEllipsis(str(name).replace(/\.safetensors$/i, "")), "");
 
 /** 0.78 -> "78 %", 0.004 -> "< 1 %", null -> null. */
 export const formatShare = safe((share) => {
@@ -86,9 +106,10 @@ export const formatCoverage = safe(
     if (unmatched === null && examples.length) unmatched = examples.length;
     const format = str(c.format);
 
+    const short = shortName(adapter);
     if (matched === null) {
       return {
-        text: `${adapter}: coverage not reported`,
+        text: `coverage not reported · ${short}`,
         level: "warn",
         title: `${adapter}: this report does not say how many of the adapter's layers were matched.`,
       };
@@ -133,12 +154,12 @@ export const formatCoverage = safe(
     }
 
     if (matched === 0 && fileLayers === 0 && clip) {  // a text-encoder-only file: the CLIP part is all there is
-      return { text: `${adapter}: text encoder only${teText}`, level: teLayers ? "warn" : "ok",
+      return { text: `text encoder only · ${short}${teText}`, level: teLayers ? "warn" : "ok",
         title: titleLines.join("\n") };
     }
     if (matched === 0) {
       return {
-        text: `${adapter}: 0/${fileLayers === null ? "?" : fileLayers} layers matched — no effect`,
+        text: `0/${fileLayers === null ? "?" : fileLayers} layers matched — no effect · ${short}`,
         level: "error",
         title: titleLines.join("\n"),
       };
@@ -146,18 +167,18 @@ export const formatCoverage = safe(
     if (unmatched || (fileLayers !== null && matched < fileLayers)) {
       const missing = unmatched || fileLayers - matched;
       return {
-        text: `${adapter}: ${ratio} layers, ${missing} not loaded${teText}`,
+        text: `${ratio} layers, ${missing} not loaded · ${short}${teText}`,
         level: "warn",
         title: titleLines.join("\n"),
       };
     }
     return {
-      text: `${adapter}: ${ratio} layers${format ? ` (${format})` : ""}${teText}`,
+      text: `${ratio} layers · ${short}${format ? ` (${format})` : ""}${teText}`,
       level: clip && teLayers ? "warn" : "ok",  // skipped text-encoder layers (model + CLIP, skip and report)
       title: titleLines.join("\n"),
     };
   },
-  () => ({ text: "adapter: coverage unreadable", level: "warn", title: "" }),
+  () => ({ text: "coverage unreadable · adapter", level: "warn", title: "" }),
 );
 
 /** The merge decision (MergeDecision.to_dict) or null when no adapter was applied. */
@@ -359,19 +380,36 @@ export const formatReport = safe(
     list(report.adapters).forEach((a, i) => {
       const ad = isObj(a) ? a : {};
       const name = str(ad.name) || str(isObj(ad.coverage) ? ad.coverage.adapter : "") || `adapter ${i + 1}`;
-      const cov = formatCoverage(isObj(ad.coverage) && Object.keys(ad.coverage).length ? ad.coverage : null, name);
-      const label = `${name}${strengthText(ad.strength)}`;
-      let text = cov.text.startsWith(`${name}:`) ? `${label}${cov.text.slice(name.length)}` : `${label}: ${cov.text}`;
+      const covIn = isObj(ad.coverage) && Object.keys(ad.coverage).length ? ad.coverage : null;
+      const cov = formatCoverage(covIn, name);
+      // layer count, this adapter's decision, then the file (cut in the middle) and its strength
+      const label = `${shortName(name)}${strengthText(ad.strength)}`;
+      const c = covIn ?? {};
+      const matched = num(c.matched);
+      const fileLayers = num(c.file_layers);
+      const missing = num(c.unmatched) || (matched !== null && fileLayers !== null && matched < fileLayers
+        ? fileLayers - matched : 0);
+      let head;
+      if (matched === null) head = "coverage not reported";
+      else if (matched === 0) head = `0/${fileLayers ?? "?"} layers matched — no effect`;
+      else head = `${matched}/${fileLayers ?? "?"} layers${missing ? `, ${missing} not loaded` : ""}`;
+      const chosen = isObj(ad.decision) ? str(ad.decision.chosen) : "";
+      const word = { merge: "merged", dynamic: "dynamic" }[chosen] || "";
+      const format = str(c.format);
+      const teLayers = num(c.text_encoder_layers);
+      let text = `${head}${word ? ` · ${word}` : ""} · ${label}${format && !missing && matched ? ` (${format})` : ""}`
+        + (teLayers ? ` · ${teLayers} text-encoder layers not applied` : "");
       let level = cov.level;
       if (ad.enabled === false) {
-        text = `${label}: disabled`;
+        text = `disabled · ${label}`;
         level = "info";
-      } else if (isObj(ad.decision) && ad.decision.chosen === "off") {
-        text = `${label}: ${str(ad.decision.reason) || "off (strength 0)"}`;
+      } else if (chosen === "off") {
+        text = `${str(ad.decision.reason) || "off (strength 0)"} · ${label}`;
         level = "info";
       }
       const path = str(ad.path);
-      const title = [cov.title, path ? `file: ${path}` : "", ad.format ? `format: ${str(ad.format)}` : "",
+      const title = [`${name}${strengthText(ad.strength)}`, cov.title, path ? `file: ${path}` : "",
+        ad.format ? `format: ${str(ad.format)}` : "",
         ad.schedule ? `strength schedule: ${str(ad.schedule)}` : "",
         ad.branch ? `branch: ${str(ad.branch)}` : "",
         ad.schedule_applied ? `applied: ${str(ad.schedule_applied)}` : "",

@@ -492,6 +492,41 @@ function fitNode(node, shrink, { decide = true } = {}) {
   });
 }
 
+// ---------------------------------------------------------------- title room
+
+const TITLE_FONT_PX = 14; // LiteGraph.NODE_TEXT_SIZE when the node gives no titleFontStyle
+const TITLE_EM = 0.85; // a generous average character width when no canvas can measure (wide fonts)
+let measureCtx = null;
+
+/** The width of the node's title in its title font: measured on a canvas, else estimated generously. */
+function titleTextWidth(node) {
+  const title = String(node?.title ?? "");
+  const measured = quietly(() => {
+    if (!measureCtx) {
+      const canvas = globalThis.document?.createElement?.("canvas");
+      measureCtx = canvas && typeof canvas.getContext === "function" ? canvas.getContext("2d") : null;
+    }
+    if (!measureCtx || typeof measureCtx.measureText !== "function") return undefined;
+    measureCtx.font = node.titleFontStyle || `${TITLE_FONT_PX}px Arial`;
+    return measureCtx.measureText(title).width;
+  });
+  return Number.isFinite(measured) && measured > 0 ? measured : title.length * TITLE_FONT_PX * TITLE_EM;
+}
+
+/**
+ * A node just added from the node list: wide enough for its whole title (the canvas draws the
+ * title in the width less two title heights and cuts the rest; the core's first size reserves
+ * less than that for a node without widgets, such as the report node). Not for loaded nodes:
+ * a saved workflow's sizes are its own.
+ */
+function widenForTitle(node) {
+  quietly(() => {
+    if (typeof node.setSize !== "function" || !Array.isArray(node.size) && !ArrayBuffer.isView(node.size)) return;
+    const need = Math.ceil(titleTextWidth(node) + 2 * titleHeight() + 10);
+    if (Number(node.size[0]) < need) node.setSize([need, node.size[1]]);
+  });
+}
+
 // ---------------------------------------------------------------- node updates
 
 function show(node, spec, payload, { persist }) {
@@ -578,6 +613,7 @@ function patchNodeType(nodeType, comfyClass) {
 
   chain(proto, "onNodeCreated", function () {
     track(this);
+    widenForTitle(this); // a loaded workflow's configure sets its saved size afterwards
   });
   chain(proto, "onConfigure", function () {
     track(this);

@@ -73,7 +73,7 @@ def test_real_reports_from_the_bundled_host(tmp_path):
     classes = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
     def first_line(workflow, mode):
-        prompt = json.loads((root / "workflows" / f"{workflow}.api.json").read_text())
+        prompt = json.loads((root / "api_workflows" / f"{workflow}.api.json").read_text())
         prompt["8"]["inputs"]["steps"] = 1
         prompt["7"]["inputs"]["batch_size"] = 1
         prompt["3"]["inputs"]["mode"] = mode

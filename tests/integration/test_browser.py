@@ -33,7 +33,7 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    to the KSampler's ``node.properties``, and it comes back when the workflow is re-loaded;
 and no console/page errors beyond the listed benign ones.
 
-Workflow: ``workflows/embedded_style.ui.json`` with the embedded model when its files are
+Workflow: ``example_workflows/embedded_style.json`` with the embedded model when its files are
 in ``models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
 tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
 
@@ -46,7 +46,13 @@ Environment (the tests skip, saying why, without them; nothing is downloaded):
 - ``LORA_RUNTIME_BROWSER_MODEL=reference``: use the reference tiny Wan even when the embedded
   model is there;
 - ``LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT=1``: also write ``docs/editor_lora_nodes.png``
-  (otherwise the candidate goes to ``test-output/browser/`` only).
+  (otherwise the candidate goes to ``test-output/browser/`` only);
+- ``LORA_RUNTIME_DEJAVU_DIR``: the folder of DejaVuSans.ttf (default: found under /usr/share/fonts).
+
+Fonts: Chromium runs with a fontconfig file that holds DejaVu Sans only, so ComfyUI's "Arial"
+is drawn in DejaVu Sans, about 16 % wider than Arial's metrics (Liberation Sans): the widest
+common fallback. The saved workflow must load with no node grown past its saved size, every
+title whole, and no overlap, in that font.
 
 Screenshots of every stage: ``test-output/browser/`` (gitignored).
 """
@@ -79,9 +85,12 @@ ENV_CHROMIUM = "LORA_RUNTIME_CHROMIUM"
 ENV_PLAYWRIGHT = "LORA_RUNTIME_PLAYWRIGHT_DIR"
 ENV_NODE = "LORA_RUNTIME_NODE"
 ENV_UPDATE_DOCS = "LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT"
+ENV_DEJAVU = "LORA_RUNTIME_DEJAVU_DIR"
+# DejaVu Sans at 14 px, the negative prompt's title (PIL's advance; Chromium within a pixel)
+FONT_PROBE_DEJAVU_PX = 294.06
 
-WORKFLOW = REPO / "workflows" / "embedded_style.ui.json"
-API_WORKFLOW = REPO / "workflows" / "embedded_style.api.json"
+WORKFLOW = REPO / "example_workflows" / "embedded_style.json"
+API_WORKFLOW = REPO / "api_workflows" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 EMBEDDED_LORAS = REPO / "models" / "loras"
 REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"
@@ -184,7 +193,7 @@ def write_kohya_lora(path: Path, *, seed: int, rank: int = 4, alpha: float = 4.0
 def stock_sampler_workflow(ui: dict) -> dict:
     """The same graph with ComfyUI's ``KSampler`` in the LoRA Sampler's place (same widgets, same
     inputs), and a ``LoraRuntimeReport`` node fed by the MODEL that feeds the KSampler and by the
-    KSampler's LATENT, placed in the next column two rows down (nothing under the KSampler)."""
+    KSampler's LATENT, placed in the next column 400 lower (nothing under the KSampler)."""
     wf = copy.deepcopy(ui)
     nodes = {n["id"]: n for n in wf["nodes"]}
     sampler = nodes[SAMPLER_ID]
@@ -202,7 +211,7 @@ def stock_sampler_workflow(ui: dict) -> dict:
     sampler["outputs"][0]["links"].append(first + 1)
     wf["nodes"].append({
         "id": STOCK_REPORT_ID, "type": "LoraRuntimeReport",
-        "pos": [sampler["pos"][0] + 330, sampler["pos"][1] + 400], "size": [300, 130],
+        "pos": [sampler["pos"][0] + sampler["size"][0] + 50, sampler["pos"][1] + 400], "size": [300, 130],
         "flags": {}, "order": len(wf["nodes"]), "mode": 0,
         "inputs": [{"name": "model", "type": "MODEL", "link": first},
                    {"name": "latent", "type": "LATENT", "link": first + 1}],
@@ -246,9 +255,35 @@ def browser_tools() -> dict:
         missing.append(f"{ENV_PLAYWRIGHT} (a playwright-core package folder; now {playwright!r})")
     if not node or not shutil.which(node):
         missing.append(f"{ENV_NODE} or node on PATH (now {node!r})")
+    dejavu = _dejavu_dir()
+    if dejavu is None:
+        missing.append(f"{ENV_DEJAVU} (the folder of DejaVuSans.ttf; none under /usr/share/fonts)")
     if missing:
         pytest.skip("browser tests need " + "; ".join(missing))
-    return {"chromium": chromium, "playwright": str(Path(playwright).resolve()), "node": shutil.which(node)}
+    return {"chromium": chromium, "playwright": str(Path(playwright).resolve()), "node": shutil.which(node),
+            "dejavu": dejavu}
+
+
+def _dejavu_dir() -> Path | None:
+    given = os.environ.get(ENV_DEJAVU)
+    if given:
+        return Path(given) if (Path(given) / "DejaVuSans.ttf").is_file() else None
+    found = sorted(Path("/usr/share/fonts").rglob("DejaVuSans.ttf")) if Path("/usr/share/fonts").is_dir() else []
+    return found[0].parent if found else None
+
+
+def dejavu_only_fontconfig(font_dir: Path, work: Path) -> Path:
+    """A fontconfig file with DejaVu's folder only, every generic and Arial family mapped to it."""
+    aliases = "".join(
+        f"<alias><family>{fam}</family><prefer><family>{to}</family></prefer></alias>"
+        for fam, to in [("Arial", "DejaVu Sans"), ("Helvetica", "DejaVu Sans"), ("sans-serif", "DejaVu Sans"),
+                        ("system-ui", "DejaVu Sans"), ("serif", "DejaVu Serif"), ("monospace", "DejaVu Sans Mono")])
+    conf = work / "fonts-dejavu-only.conf"
+    (work / "fontcache").mkdir(parents=True, exist_ok=True)
+    conf.write_text('<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "fonts.dtd">\n<fontconfig>'
+                    f"<dir>{font_dir}</dir><cachedir>{work / 'fontcache'}</cachedir>{aliases}</fontconfig>\n",
+                    encoding="utf-8")
+    return conf
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +375,7 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "chromium": browser_tools["chromium"],
         "playwrightDir": browser_tools["playwright"],
         "userDataDir": str(work / "chromium-profile"),
+        "fontconfigFile": str(dejavu_only_fontconfig(browser_tools["dejavu"], work)),
         "screenshotDir": str(SCREENSHOT_DIR),
         "docsScreenshot": str(DOCS_SCREENSHOT if update_docs else SCREENSHOT_DIR / "editor_lora_nodes.png"),
         "uiWorkflow": {"path": str(editor_assets["workflow_path"]), "name": editor_assets["workflow_path"].name,
@@ -355,6 +391,7 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
         "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
         "docsViewport": {"width": 2400, "height": 900},
+        "layoutViewport": {"width": 3400, "height": 1100},  # the whole graph at 100 % for the layout checks
         "assetsMode": editor_assets["mode"],
         "pngSource": editor_assets["png_source"],
         "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},
@@ -406,10 +443,22 @@ def _check_report_text(report_state: dict, report: dict, adapter_name: str) -> N
     word = {"merge": "merged", "dynamic": "dynamic"}[chosen]
     assert lines[0].startswith(word), f"decision line {lines[0]!r} does not say {word!r} (chosen: {chosen})"
     cov = report["adapters"][0]["coverage"]
-    coverage_line = [ln for ln in lines if ln.startswith(adapter_name)]
-    assert coverage_line, f"no coverage line for {adapter_name} in {lines}"
-    assert f"{cov['matched']}/{cov['file_layers']} layers" in coverage_line[0], coverage_line[0]
+    # the layer count and this adapter's decision first, then the file (a cut line keeps them)
+    own = {"merge": "merged", "dynamic": "dynamic"}.get((report["adapters"][0].get("decision") or {}).get("chosen"))
+    head = f"{cov['matched']}/{cov['file_layers']} layers" + (f" · {own}" if own else "")
+    coverage_line = [ln for ln in lines if ln.startswith(head)]
+    assert coverage_line, f"no line starting {head!r} in {lines}"
+    assert f" · {short_name(adapter_name)}" in coverage_line[0], coverage_line[0]
     assert any(ln.startswith(f"tier {report['tier']} · mode {report['mode_requested']}") for ln in lines), lines
+
+
+def short_name(name: str, limit: int = 28) -> str:
+    """A file name as the report lines show it (web/lora_report_format.js shortName)."""
+    stem = re.sub(r"\.safetensors$", "", name, flags=re.I)
+    if len(stem) <= limit:
+        return stem
+    head = (limit - 1 + 1) // 2
+    return stem[:head] + "\u2026" + stem[len(stem) - (limit - 1 - head):]
 
 
 def _check_lines_clamped(report_state: dict, width_before: float) -> None:
@@ -463,6 +512,25 @@ def test_editor_loads_with_our_extension(editor_session):
     assert st["showBadges"] is True, "LoraRuntime.ShowBadges should default to on"
     assert st["runButton"], "no Run button ([data-testid=queue-button]) in the editor"
     assert st["frontendVersion"], "window.__COMFYUI_FRONTEND_VERSION__ not set"
+
+
+def test_the_editor_draws_in_dejavu_sans_only(editor_session):
+    fonts = _ok(editor_session, "load")["fonts"]
+    assert abs(fonts["arial"] - fonts["dejavu"]) < 0.01 and abs(fonts["nodeFont"] - fonts["dejavu"]) < 0.01, fonts
+    assert abs(fonts["dejavu"] - FONT_PROBE_DEJAVU_PX) < 1.5, fonts  # DejaVu Sans itself, not another face
+
+
+def test_dropped_workflow_keeps_its_saved_sizes_and_whole_titles_in_dejavu(editor_session, editor_assets):
+    """No node is grown past its saved size when it loads (the saved size holds its content in this
+    font), and every title is drawn whole (the canvas cuts a title wider than its room)."""
+    st = _ok(editor_session, "drop_json")
+    saved = {int(n["id"]): n for n in editor_assets["workflow"]["nodes"]}
+    for n in st["graph"]["nodes"]:
+        want = saved[int(n["id"])]["size"]
+        assert abs(n["size"][0] - want[0]) <= 0.5 and abs(n["size"][1] - want[1]) <= 0.5, \
+            f"node {n['id']} ({n['title']}): saved {want}, drawn {n['size']}"
+        assert n["titleWidth"] <= n["titleRoom"], f"node {n['id']}: title {n['title']!r} " \
+                                                  f"{n['titleWidth']:.0f} wide in {n['titleRoom']:.0f}"
 
 
 def test_drop_ui_workflow_file_loads_our_nodes_with_their_values(editor_session, editor_assets):
@@ -528,8 +596,9 @@ def test_run_button_shows_the_report_on_our_nodes(editor_session, editor_assets,
     _check_lines_clamped(adapter, widths[ADAPTER_ID])
     assert json.loads(adapter["properties"]["lora_coverage"]) == coverage
     cov = coverage[0]
-    assert adapter["lines"][0]["text"].startswith(f"{editor_assets['adapter_name']}: "
-                                                  f"{cov['matched']}/{cov['file_layers']} layers")
+    assert adapter["lines"][0]["text"].startswith(f"{cov['matched']}/{cov['file_layers']} layers · "
+                                                  f"{short_name(editor_assets['adapter_name'])}"), adapter["lines"]
+    assert editor_assets["adapter_name"] in adapter["lines"][0]["title"]  # whole on hover
     shot = Path(editor_session["config"]["docsScreenshot"])
     assert st["docsClip"] and shot.is_file() and shot.stat().st_size < DOCS_MAX_BYTES, f"{shot}: {shot.stat().st_size} bytes"
 

@@ -112,3 +112,34 @@ def test_web_extension_is_served(comfy):
         assert url in listed, f"{url} not in /extensions"
         status, body = comfy._request("GET", url)
         assert status == 200 and body == (REPO / "web" / f).read_bytes(), url
+
+
+DEMO_NODES = ("LoraRuntimeTinyTextEncode", "LoraRuntimeTinyDecode", "LoraRuntimeTinyEncode")
+
+
+def test_embedded_model_helpers_are_in_a_marked_demo_category(object_info, pack):
+    """The embedded model's helper nodes are listed apart from the LoRA nodes: a category of their own
+    named demo, and names that say so; not flagged deprecated (ComfyUI would label them so)."""
+    from comfyui_lora_runtime.nodes.tiny_nodes import CATEGORY as DEMO
+    assert "demo" in DEMO and not DEMO.startswith("loaders/")
+    for name in DEMO_NODES:
+        info = object_info[name]
+        assert info["category"] == DEMO, (name, info["category"])
+        assert info["display_name"].startswith("Demo: ") and "embedded model only" in info["display_name"], info
+        assert info["description"].startswith("Demo node for the pack's embedded tiny model only"), info
+        assert not info.get("deprecated") and not info.get("experimental"), info
+    for name in set(pack.NODE_CLASS_MAPPINGS) - set(DEMO_NODES):
+        assert object_info[name]["category"] == "loaders/lora runtime", name
+        assert "demo" not in object_info[name]["display_name"].lower(), name
+
+
+def test_template_browser_lists_each_example_workflow_once(comfy):
+    """/workflow_templates (ComfyUI's scan of example_workflows/, workflows/, examples/, ...) lists the
+    pack's example workflows, each once, and each opens from its template route."""
+    status, listed = comfy.get_json("/workflow_templates")
+    assert status == 200
+    ours = sorted(listed.get(comfy.pack_link_name, []))
+    assert ours == sorted(p.stem for p in (REPO / "example_workflows").glob("*.json")), ours
+    for name in ours[:2]:
+        status, body = comfy._request("GET", f"/api/workflow_templates/{comfy.pack_link_name}/{name}.json")
+        assert status == 200 and json.loads(body)["nodes"], name

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WF = REPO / "workflows"
+WF = REPO / "api_workflows"
+UI = REPO / "example_workflows"
 MODELS = REPO / "models"
 EMBEDDED = sorted(p.name[: -len(".api.json")] for p in WF.glob("embedded_*.api.json"))
 from comfyui_lora_runtime.embedded import require_committed_weights
@@ -61,7 +62,7 @@ def test_saved_workflow_gives_the_same_image_in_both_hosts(embedded_models, pack
     api = json.loads((WF / f"{name}.api.json").read_text())
     from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
     classes = {**CORE_NODE_CLASS_MAPPINGS, **pack.NODE_CLASS_MAPPINGS}
-    from_ui = ui_to_api(json.loads((WF / f"{name}.ui.json").read_text()), classes)
+    from_ui = ui_to_api(json.loads((UI / f"{name}.json").read_text()), classes)
     assert {k: v["inputs"] for k, v in from_ui.items()} == {k: v["inputs"] for k, v in api.items()}
     real, report = _comfy_images(comfy, api)
     bundled = _bundled_images(name, tmp_path)

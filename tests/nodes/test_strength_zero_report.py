@@ -30,7 +30,7 @@ def test_strength_zero_reads_off_and_changes_nothing(base, mode):
     assert [a["chosen"] for a in d["adapters"]] == ["off"]
     assert rep["adapters"][0]["decision"]["reason"] == "off (strength 0)"
     text = report.text(rep)
-    assert "-> off (strength 0)" in text and "style.safetensors x0.0" in text and "; off (strength 0)" in text
+    assert "-> off (strength 0)" in text and "layers, off (strength 0): style.safetensors x0.0" in text
     _valid(rep)
     assert all(torch.equal(w0[k], v) for k, v in _weights(base).items())
 

@@ -67,16 +67,42 @@ def test_registry_icon_and_comfyui_versions():
 
 
 def test_example_workflows_are_the_ui_workflows_with_a_thumbnail_each():
-    ui = sorted(p.name[:-len(".ui.json")] for p in (ROOT / "workflows").glob("*.ui.json"))
+    api = sorted(p.name[:-len(".api.json")] for p in (ROOT / "api_workflows").glob("*.api.json"))
     ex = ROOT / "example_workflows"
-    assert sorted(p.stem for p in ex.glob("*.json")) == ui
-    for name in ui:
+    assert sorted(p.stem for p in ex.glob("*.json")) == api
+    for name in api:
         saved = json.loads((ex / f"{name}.json").read_text())
-        assert saved == json.loads((ROOT / "workflows" / f"{name}.ui.json").read_text()), \
-            f"{name}: stale; run python tools/make_example_workflows.py --demo <main job output>"
         assert "nodes" in saved and "links" in saved  # the UI format the template browser opens
         with Image.open(ex / f"{name}.jpg") as im:  # ComfyUI shows NAME.jpg as the template's thumbnail
             assert im.format == "JPEG" and im.size == (256, 256)
+
+
+# The folders ComfyUI 0.3.64 lists a pack's templates from (app/custom_node_manager.py: every
+# <pack>/<folder>/*.json, in this order, each file a template named by its stem).
+TEMPLATE_FOLDERS = ("example_workflows", "example", "examples", "workflow", "workflows")
+
+
+def comfyui_template_listing(pack: Path) -> list[str]:
+    """The names ComfyUI's /workflow_templates lists for a pack folder (its glob, as the server does)."""
+    return [p.stem for folder in TEMPLATE_FOLDERS for p in sorted((pack / folder).glob("*.json"))]
+
+
+def test_the_template_browser_lists_each_example_workflow_once():
+    listed = comfyui_template_listing(ROOT)
+    examples = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
+    assert sorted(listed) == examples, "a template folder other than example_workflows/ holds .json files " \
+                                       "(API-format files belong in api_workflows/)"
+    assert len(set(listed)) == len(listed)
+
+
+def test_the_template_listing_sees_a_json_in_a_scanned_folder(tmp_path):
+    """The scan above is the server's: a .json left in workflows/ would be listed (twice the name)."""
+    (tmp_path / "example_workflows").mkdir()
+    (tmp_path / "workflows").mkdir()
+    (tmp_path / "example_workflows" / "a.json").write_text("{}")
+    (tmp_path / "workflows" / "a.json").write_text("{}")
+    (tmp_path / "workflows" / "a.api.json").write_text("{}")
+    assert sorted(comfyui_template_listing(tmp_path)) == ["a", "a", "a.api"]
 
 
 def test_readme_test_command_is_what_ci_runs():

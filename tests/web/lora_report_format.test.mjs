@@ -20,9 +20,9 @@ test("full report: ordered badges with decision, adapters, warning, fusions, set
   assert.equal(byKey.decision.text, "dynamic — a merge would lose 78 %");
   assert.match(byKey.decision.title, /round away 78%/);
   assert.equal(byKey["adapter:0"].level, "ok");
-  assert.equal(byKey["adapter:0"].text, "style.safetensors ×0.8: 240/240 layers (kohya)");
+  assert.equal(byKey["adapter:0"].text, "240/240 layers · style ×0.8 (kohya)");
   assert.equal(byKey["adapter:1"].level, "warn");
-  assert.equal(byKey["adapter:1"].text, "partial.safetensors ×1.0: 100/120 layers, 20 not loaded");
+  assert.equal(byKey["adapter:1"].text, "100/120 layers, 20 not loaded · partial ×1.0");
   assert.equal(byKey["coverage-warning"].level, "warn");
   assert.match(byKey["coverage-warning"].text, /1 adapter only partly loaded/);
   assert.match(byKey["coverage-warning"].title, /text_encoder\.layers\.0\.q_proj/);
@@ -40,7 +40,7 @@ test("partial coverage is a warning whose title lists the unmatched examples", (
     unmatched: 5, unmatched_examples: ["lora_te_x (text encoder)", "lora_unet_y (no such layer)"],
   });
   assert.equal(c.level, "warn");
-  assert.equal(c.text, "a.safetensors: 10/12 layers, 5 not loaded");
+  assert.equal(c.text, "10/12 layers, 5 not loaded · a");
   assert.match(c.title, /lora_te_x \(text encoder\)/);
   assert.match(c.title, /lora_unet_y \(no such layer\)/);
   assert.match(c.title, /… and 3 more/);
@@ -62,7 +62,7 @@ test("zero matched is an error", () => {
 test("full coverage is ok; coverage list of the loader node", () => {
   const ok = fmt.formatCoverage({ adapter: "ok", format: "peft", matched: 8, file_layers: 8, unmatched: 0 });
   assert.equal(ok.level, "ok");
-  assert.equal(ok.text, "ok: 8/8 layers (peft)");
+  assert.equal(ok.text, "8/8 layers · ok (peft)");
   const items = fmt.formatCoverageList([{ adapter: "ok", matched: 8, file_layers: 8, unmatched: 0 }]);
   assert.equal(items.length, 1);
 });
@@ -102,7 +102,7 @@ test("missing fields (older reports) degrade instead of failing", () => {
   const items = fmt.formatReport({ decision: { chosen: "merge" }, adapters: [{ name: "old.safetensors" }] });
   assert.deepEqual(items.map((i) => i.key), ["decision", "adapter:0", "coverage-warning"]);
   assert.equal(items[0].text, "merged");
-  assert.equal(items[1].text, "old.safetensors: coverage not reported");
+  assert.equal(items[1].text, "coverage not reported · old");
   assert.equal(items[1].level, "warn");
   // raw ApplyReport-style fusions list
   const f = fmt.formatFusions([{ site: "a", fusions: ["x"], routes: {} }, { site: "b", fusions: [], skipped: "why" }]);
@@ -111,7 +111,7 @@ test("missing fields (older reports) degrade instead of failing", () => {
   assert.equal(fmt.formatFusions(undefined), null);
   assert.equal(fmt.formatTimings({}), null);
   const dis = fmt.formatReport({ adapters: [{ name: "off", enabled: false, strength: 1, coverage: {} }] });
-  assert.equal(dis.find((i) => i.key === "adapter:0").text, "off ×1.0: disabled");
+  assert.equal(dis.find((i) => i.key === "adapter:0").text, "disabled · off ×1.0");
   assert.deepEqual(fmt.formatReport(null), []);
   assert.deepEqual(fmt.formatReport(undefined), []);
 });
@@ -123,14 +123,14 @@ test("strength 0: the decision and the adapter say off (strength 0), not dynamic
     unmatched: 0 }, decision: { name: "a.safetensors", chosen: "off", share_lost: null, reason: "off (strength 0)" } }] };
   const items = fmt.formatReport(r);
   assert.equal(items[0].text, "off (strength 0)");
-  assert.equal(items.find((i) => i.key === "adapter:0").text, "a.safetensors ×0.0: off (strength 0)");
+  assert.equal(items.find((i) => i.key === "adapter:0").text, "off (strength 0) · a ×0.0");
 });
 
 test("text-encoder layers are named as such on the coverage badge, not as missing layers", () => {
   const c = fmt.formatCoverage({ adapter: "sdxl.safetensors", format: "Wan native", matched: 20, file_layers: 20,
     unmatched: 0, text_encoder_layers: 12, text_encoder_tensors: 36 });
   assert.equal(c.level, "ok");
-  assert.equal(c.text, "sdxl.safetensors: 20/20 layers (Wan native) · 12 text-encoder layers not applied");
+  assert.equal(c.text, "20/20 layers · sdxl (Wan native) · 12 text-encoder layers not applied");
   assert.match(c.title, /12 text-encoder layers \(36 tensors\) not applied: this node patches the model only/);
 });
 
@@ -155,7 +155,7 @@ test("model + CLIP loader: the CLIP line replaces 'this node patches the model o
   const c = fmt.formatCoverage({ adapter: "te.safetensors", format: "kohya", matched: 8, file_layers: 8, unmatched: 0,
     text_encoder_layers: 0, text_encoder_tensors: 0, text_encoder_applied_layers: 3, clip: line });
   assert.equal(c.level, "ok");
-  assert.equal(c.text, "te.safetensors: 8/8 layers (kohya) · 3 text-encoder layers on the CLIP");
+  assert.equal(c.text, "8/8 layers · te (kohya) · 3 text-encoder layers on the CLIP");
   assert.match(c.title, /applied to the CLIP/);
   assert.doesNotMatch(c.title, /patches the model only/);
   const skipped = fmt.formatCoverage({ adapter: "te.safetensors", matched: 8, file_layers: 8, unmatched: 0,
@@ -165,7 +165,7 @@ test("model + CLIP loader: the CLIP line replaces 'this node patches the model o
   const only = fmt.formatCoverage({ adapter: "te_only.safetensors", matched: 0, file_layers: 0, unmatched: 0,
     text_encoder_layers: 0, text_encoder_applied_layers: 2, clip: "2 text-encoder layers (6 tensors) applied" });
   assert.equal(only.level, "ok");
-  assert.equal(only.text, "te_only.safetensors: text encoder only · 2 text-encoder layers on the CLIP");
+  assert.equal(only.text, "text encoder only · te_only · 2 text-encoder layers on the CLIP");
 });
 
 test("garbage input never throws", () => {
@@ -275,4 +275,31 @@ test("a block-filtered adapter says so on its badge and lists the layers per str
   const plain = items.find((i) => i.key === "adapter:1");
   assert.doesNotMatch(plain.text, /blocks/);
   assert.doesNotMatch(plain.title, /blocks/);
+});
+
+test("a long file name is cut in the middle, after the layer count and the decision; the hover has it whole", () => {
+  const name = "glyph_outline_style_diffusers_rank32_epoch0100.safetensors";
+  assert.equal(fmt.middleEllipsis("short_name"), "short_name");
+  const cut = fmt.middleEllipsis("abcdefghijklmnopqrstuvwxyz0123456789");
+  assert.equal(Array.from(cut).length, fmt.MAX_NAME_CHARS);
+  assert.ok(cut.startsWith("abcdefghijklmn") && cut.endsWith("3456789") && cut.includes("\u2026"), cut);
+  assert.equal(fmt.shortName(name), "glyph_outline_…k32_epoch0100");
+  assert.equal(fmt.shortName("x.SAFETENSORS"), "x");
+  const r = {
+    decision: { requested: "auto", chosen: "merge", share_lost: 0, adapters: [{ name, chosen: "merge", share_lost: 0 }] },
+    adapters: [{ name, strength: 1, coverage: { adapter: name, format: "kohya", matched: 32, file_layers: 32 },
+      decision: { name, chosen: "merge", share_lost: 0 } },
+    { name: "b.safetensors", strength: 0.5, coverage: { adapter: "b.safetensors", matched: 30, file_layers: 32,
+      unmatched: 2 }, decision: { name: "b.safetensors", chosen: "dynamic", share_lost: 0.9 } }],
+  };
+  const items = fmt.formatReport(r);
+  const a = items.find((i) => i.key === "adapter:0");
+  assert.equal(a.text, "32/32 layers · merged · glyph_outline_…k32_epoch0100 ×1.0 (kohya)");
+  assert.ok(fmt.hoverText(a).startsWith(a.text) && fmt.hoverText(a).includes(`${name} ×1.0`));
+  assert.equal(items.find((i) => i.key === "adapter:1").text, "30/32 layers, 2 not loaded · dynamic · b ×0.5");
+  // the loader node's line: the layer count first, the name cut in the middle, whole on hover
+  const cov = fmt.formatCoverage({ adapter: name, format: "kohya", matched: 32, file_layers: 32 });
+  assert.equal(cov.text, "32/32 layers · glyph_outline_…k32_epoch0100 (kohya)");
+  assert.ok(cov.title.startsWith(name));
+  for (const bad of [undefined, null, 3, {}]) assert.equal(typeof fmt.middleEllipsis(bad), "string");
 });

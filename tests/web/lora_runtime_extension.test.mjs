@@ -264,7 +264,9 @@ test("classic canvas: the node keeps its width and position; a long line ends in
   const adapter = "a_long_adapter_name_for_the_width_test.safetensors";
   node.onExecuted({ lora_coverage: [{ adapter, format: "kohya", matched: 40, file_layers: 40 }] });
   const line = rows(node)[0];
-  assert.equal(line.textContent, `${adapter}: 40/40 layers (kohya)`);
+  // the layer count first, the file name cut in the middle: a line cut at the node's edge keeps the count
+  assert.equal(line.textContent, "40/40 layers · a_long_adapter…he_width_test (kohya)");
+  assert.ok(line.title.includes(adapter), "the hover text has the whole file name");
   assert.ok(line.scrollWidth > node.size[0], "the line is wider than the node");
   assert.equal(node.size[0], 200, "not widened");
   assert.deepEqual(node.pos, [370, 40], "not moved");
@@ -495,4 +497,21 @@ test("our sampler ignores the event (its `executed` output brings the report); t
   const rn = create(Report);
   rn.onExecuted({ lora_report: [fullReport()] });
   assert.equal(rn.widgets.length, 1);
+});
+
+test("a node added from the node list is wide enough for its whole title; a loaded one keeps its saved size", async () => {
+  setting(true);
+  const Report = await register("LoraRuntimeReport");
+  const node = new Report();
+  node.title = "LoRA Runtime Report";
+  node.size = [180, 46]; // what the core's computeSize gives a node without widgets
+  node.onNodeCreated?.();
+  // no canvas in this host: 19 characters at a generous 0.85 x 14 px, plus two title heights and a margin
+  assert.ok(node.size[0] >= 19 * 14 * 0.85 + 60, node.size);
+  assert.equal(node.size[1], 46, "only the width");
+  const wide = new Report();
+  wide.title = "LoRA Runtime Report";
+  wide.size = [600, 46];
+  wide.onNodeCreated?.();
+  assert.deepEqual(wide.size, [600, 46], "never narrower");
 });

@@ -99,6 +99,11 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 function pageGraphSnapshot() {
   const g = window.app.graph;
+  const measureWith = (font, text) => {
+    const ctx = document.createElement("canvas").getContext("2d");
+    ctx.font = font;
+    return ctx.measureText(text).width;
+  };
   const serialized = window.app.graph.serialize();
   const byId = {};
   for (const n of serialized.nodes) byId[n.id] = n;
@@ -115,6 +120,10 @@ function pageGraphSnapshot() {
       })),
       widgets_values: byId[n.id] ? byId[n.id].widgets_values : undefined,
       properties: n.properties,
+      size: [n.size[0], n.size[1]],
+      // the title as the canvas measures it, and the room it is drawn in (width less two title heights)
+      titleWidth: measureWith(n.titleFontStyle || "14px Arial", String(n.title || "")),
+      titleRoom: n.size[0] - 2 * ((window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30),
     })),
     links: serialized.links.length,
   };
@@ -334,7 +343,7 @@ async function reportState(id) {
 /** pageLayout() with every node on screen at (about) 100 %: the wide window, then back. */
 async function layoutSnapshot() {
   const vp = page.viewportSize();
-  const big = cfg.docsViewport || { width: 2400, height: 900 };
+  const big = cfg.layoutViewport || cfg.docsViewport || { width: 2400, height: 900 };
   await page.setViewportSize(big);
   await settle(800);
   const ids = await page.evaluate(() => window.app.graph.nodes.map((n) => n.id));
@@ -564,6 +573,8 @@ async function main() {
     timeout: T.load,
     viewport: { width: 1600, height: 1000 },
     deviceScaleFactor: 1,
+    // the test's fontconfig file: DejaVu Sans as the only sans font (ComfyUI's "Arial" falls back to it)
+    env: cfg.fontconfigFile ? { ...process.env, FONTCONFIG_FILE: cfg.fontconfigFile } : process.env,
     args: [
       "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
       "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -633,6 +644,18 @@ async function main() {
         vueSettingKnown: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled") !== undefined,
         vueNodes: window.app.extensionManager.setting.get("Comfy.VueNodes.Enabled"),
         startNodes: window.app.graph.nodes.length,
+        // the font the canvas gets for "Arial" (LiteGraph's NODE_FONT): widths of one title in three families
+        fonts: (() => {
+          const ctx = document.createElement("canvas").getContext("2d");
+          const text = "Negative prompt (empty = unconditional)";
+          const out = { text };
+          for (const [k, f] of [["arial", "14px Arial"], ["dejavu", "14px 'DejaVu Sans'"],
+            ["liberation", "14px 'Liberation Sans'"], ["nodeFont", `14px ${window.LiteGraph && window.LiteGraph.NODE_FONT}`]]) {
+            ctx.font = f;
+            out[k] = ctx.measureText(text).width;
+          }
+          return out;
+        })(),
         runButton: !!document.querySelector('[data-testid="queue-button"]'),
         openDialogs: [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText.slice(0, 120)),
       })));
@@ -975,7 +998,11 @@ async function main() {
           { m: mark });
         rec.sampler = await waitForReport(cfg.stock.samplerId, "the KSampler's report widget");
         rec.report = await waitForReport(cfg.stock.reportId, "the LoRA Runtime Report node's report widget");
-        await focusNodes(Object.keys(wf.expected).map(Number), 30, 1.0);
+        // the two nodes with a report, near 100 % (the whole graph in this window is zoomed out so far
+        // that the canvas hides DOM widgets)
+        await focusNodes(ids, 30, 1.0);
+        rec.sampler = await reportState(cfg.stock.samplerId);
+        rec.report = await reportState(cfg.stock.reportId);
         await shot("stock_ksampler_report_after_run");
         rec.layout = await layoutSnapshot();
         rec.overlaps = overlaps(rec.layout);

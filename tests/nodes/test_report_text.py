@@ -1,0 +1,31 @@
+"""The report's text (log, CLI) leads each adapter line with what a cut line must keep: the layer
+count and the decision, then the file name (a long one whole here: a log is not cut)."""
+from comfyui_lora_runtime.nodes import report
+
+NAME = "glyph_outline_style_diffusers_rank32_epoch0100.safetensors"
+
+
+def _report(adapters, decisions):
+    return {"host": "comfyui", "tier": "lossless", "mode_requested": "auto",
+            "decision": {"chosen": "merge", "reason": "merged", "share_lost": 0.0, "adapters": decisions},
+            "adapters": adapters, "params": [], "fusions": {"mounted": 0, "sites": [], "skipped": 0,
+                                                             "skip_reasons": []},
+            "patch_seconds": 0.1, "seconds_per_step": 0.02}
+
+
+def test_adapter_lines_put_layer_count_and_decision_before_the_file():
+    a = {"name": NAME, "strength": 1.0, "coverage": {"matched": 32, "file_layers": 32, "format": "kohya"},
+         "decision": {"name": NAME, "chosen": "merge", "share_lost": 0.0}}
+    b = {"name": "b.safetensors", "strength": 0.5,
+         "coverage": {"matched": 30, "file_layers": 32, "unmatched": 2, "unmatched_tensors": 4},
+         "decision": {"name": "b.safetensors", "chosen": "dynamic", "share_lost": 0.9}}
+    lines = report.text(_report([a, b], [a["decision"], b["decision"]])).splitlines()
+    assert lines[1] == f"  32/32 layers, merge (a merge would lose 0.0%): {NAME} x1.0 (kohya)"
+    assert lines[2] == ("  30/32 layers, 2 layers or keys (4 tensors) not loaded, dynamic (a merge would lose "
+                        "90.0%): b.safetensors x0.5")
+
+
+def test_an_adapter_without_its_own_decision_says_its_layers_first():
+    a = {"name": "c.safetensors", "strength": 0.8, "coverage": {"matched": 4, "file_layers": 4}}
+    lines = report.text(_report([a], [])).splitlines()
+    assert lines[1] == "  4/4 layers: c.safetensors x0.8"
