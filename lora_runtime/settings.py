@@ -69,40 +69,29 @@ class RestoreMemory(str, enum.Enum):
 DEFAULT_RESTORE_MEMORY = RestoreMemory.LEAN
 
 
-def parse_tier(value) -> Tier:
-    if isinstance(value, Tier):
+def _parse(cls, value, what: str, default):
+    """`value` as a member of the enum `cls` (its value, any case, surrounding spaces ignored);
+    ConfigError naming `what`, the choices and the default otherwise."""
+    if isinstance(value, cls):
         return value
     try:
-        return Tier(str(value).strip().lower())
+        return cls(str(value).strip().lower())
     except ValueError:
         raise ConfigError(
-            f"unknown quality tier {value!r}: use one of "
-            f"{', '.join(t.value for t in Tier)} (default {DEFAULT_TIER.value})"
+            f"unknown {what} {value!r}: use one of {', '.join(m.value for m in cls)} (default {default.value})"
         ) from None
+
+
+def parse_tier(value) -> Tier:
+    return _parse(Tier, value, "quality tier", DEFAULT_TIER)
 
 
 def parse_restore_memory(value) -> RestoreMemory:
-    if isinstance(value, RestoreMemory):
-        return value
-    try:
-        return RestoreMemory(str(value).strip().lower())
-    except ValueError:
-        raise ConfigError(
-            f"unknown restore memory {value!r}: use one of "
-            f"{', '.join(m.value for m in RestoreMemory)} (default {DEFAULT_RESTORE_MEMORY.value})"
-        ) from None
+    return _parse(RestoreMemory, value, "restore memory", DEFAULT_RESTORE_MEMORY)
 
 
 def parse_merge_mode(value) -> MergeMode:
-    if isinstance(value, MergeMode):
-        return value
-    try:
-        return MergeMode(str(value).strip().lower())
-    except ValueError:
-        raise ConfigError(
-            f"unknown merge mode {value!r}: use one of "
-            f"{', '.join(m.value for m in MergeMode)} (default {DEFAULT_MERGE_MODE.value})"
-        ) from None
+    return _parse(MergeMode, value, "merge mode", DEFAULT_MERGE_MODE)
 
 
 def check_strength(value, *, what: str = "strength") -> float:
