@@ -17,7 +17,7 @@ from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 from comfyui_lora_runtime.nodes.stack_node import LoraStack
 
-from testkit.nodes_helpers import CLASSES, Capture, CondPos, _weights
+from testkit.nodes_helpers import CLASSES, Capture, CondPos, _weights, sampling_graph
 
 STEPS, SEED, CFG = 4, 42, 5.0
 FILTER = "0: 0.5, !cross_attn"   # block 0 at half strength (a power of two: see _edit), cross attention left out
@@ -126,23 +126,6 @@ def test_the_report_shows_the_strength_of_each_layer_group_and_the_layers_left_o
     assert shown["blocks"] == b
 
 
-def _graph(nodes, last, mode="dynamic", tier="exact"):
-    return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors",
-                                                         "weight_dtype": "default"}},
-            **nodes,
-            "3": {"class_type": "LoraRuntimeMergeMode", "inputs": {"model": [last, 0], "mode": mode}},
-            "4": {"class_type": "LoraRuntimeQualityTier", "inputs": {"model": ["3", 0], "tier": tier}},
-            "5": {"class_type": "CondPos", "inputs": {"which": "pos"}},
-            "6": {"class_type": "CondPos", "inputs": {"which": "neg"}},
-            "7": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
-                                                                      "batch_size": 1}},
-            "8": {"class_type": "KSampler", "inputs": {
-                "model": ["4", 0], "seed": SEED, "steps": STEPS, "cfg": CFG, "sampler_name": "euler",
-                "scheduler": "simple", "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0],
-                "denoise": 1.0}},
-            "9": {"class_type": "Capture", "inputs": {"samples": ["8", 0]}},
-            "10": {"class_type": "LoraRuntimeReport", "inputs": {"model": ["4", 0], "latent": ["8", 0]}}}
-
 
 @pytest.mark.parametrize("mode,tier", [("dynamic", "exact"), ("auto", "lossless"), ("merge", "exact")])
 def test_stack_with_filters_equals_chain_with_filters(folders, mode, tier):
@@ -159,12 +142,12 @@ def test_stack_with_filters_equals_chain_with_filters(folders, mode, tier):
              "21": {"class_type": "LoraRuntimeLoadAdapter", "inputs": {
                  "model": ["20", 0], "lora_name": rows[1]["lora"], "strength": -0.5, "blocks": rows[1]["blocks"]}}}
     stack = {"2": {"class_type": "LoraRuntimeStack", "inputs": {"model": ["1", 0], "rows": json.dumps(rows)}}}
-    y_chain, r_chain = run(_graph(chain, "21", mode, tier))
-    y_stack, r_stack = run(_graph(stack, "2", mode, tier))
+    y_chain, r_chain = run(sampling_graph(chain, "21", mode, tier))
+    y_stack, r_stack = run(sampling_graph(stack, "2", mode, tier))
     assert torch.equal(y_stack, y_chain)
     assert [a["blocks"] for a in r_stack["adapters"]] == [a["blocks"] for a in r_chain["adapters"]]
     unfiltered = [dict(r, blocks="") for r in rows]
-    y_plain, _ = run(_graph({"2": {"class_type": "LoraRuntimeStack",
+    y_plain, _ = run(sampling_graph({"2": {"class_type": "LoraRuntimeStack",
                                    "inputs": {"model": ["1", 0], "rows": json.dumps(unfiltered)}}}, "2", mode, tier))
     assert not torch.equal(y_stack, y_plain)                             # the wrong answer: filters dropped
 
@@ -177,7 +160,7 @@ def test_stack_with_filters_equals_chain_with_filters(folders, mode, tier):
     ("0: 0.5, *: 1", "has no effect: the later '*: 1' overrides every layer"),
 ])
 def test_a_mistake_is_one_error_at_the_node_naming_blocks(folders, base, blocks, says):
-    p = _graph({"2": {"class_type": "LoraRuntimeLoadAdapter", "inputs": {
+    p = sampling_graph({"2": {"class_type": "LoraRuntimeLoadAdapter", "inputs": {
         "model": ["1", 0], "lora_name": "style.safetensors", "strength": 1.0, "blocks": blocks}}}, "2")
     assert validate_prompt(p, CLASSES, folders=folders)[0]      # not blamed on lora_name at queue time
     with pytest.raises(NodeExecutionError) as ei:               # the loader runs before any sampler touches a weight

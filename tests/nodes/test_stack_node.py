@@ -11,30 +11,11 @@ from comfyui_lora_runtime.nodes import intent
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
 from comfyui_lora_runtime.nodes.stack_node import LoraStack, parse_rows
 
-from testkit.nodes_helpers import CLASSES, Capture  # noqa: F401
+from testkit.nodes_helpers import CLASSES, Capture, sampling_graph  # noqa: F401
 
 ROWS = [{"on": True, "lora": "style.safetensors", "strength": 0.8},
         {"on": True, "lora": "sub/second.safetensors", "strength": -0.5, "schedule": "0:1, 0.5:0.25",
          "branch": "positive only"}]
-
-
-def _graph(model_nodes: dict, last: str, mode="dynamic", tier="exact"):
-    p = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
-        **model_nodes,
-        "3": {"class_type": "LoraRuntimeMergeMode", "inputs": {"model": [last, 0], "mode": mode}},
-        "4": {"class_type": "LoraRuntimeQualityTier", "inputs": {"model": ["3", 0], "tier": tier}},
-        "5": {"class_type": "CondPos", "inputs": {"which": "pos"}},
-        "6": {"class_type": "CondPos", "inputs": {"which": "neg"}},
-        "7": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
-                                                                  "batch_size": 1}},
-        "8": {"class_type": "KSampler", "inputs": {
-            "model": ["4", 0], "seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
-            "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "denoise": 1.0}},
-        "9": {"class_type": "Capture", "inputs": {"samples": ["8", 0]}},
-        "10": {"class_type": "LoraRuntimeReport", "inputs": {"model": ["4", 0], "latent": ["8", 0]}},
-    }
-    return p
 
 
 def _stack(rows):
@@ -62,8 +43,8 @@ def _run(prompt, folders):
 def test_stack_of_two_equals_chain_of_two(folders, mode, tier):
     rows = ROWS if mode != "merge" else [dict(r, schedule="", branch="both") for r in ROWS]  # merge refuses a schedule
     chain, last = _chain(rows)
-    y_chain, res_chain = _run(_graph(chain, last, mode, tier), folders)
-    y_stack, res_stack = _run(_graph(_stack(rows), "2", mode, tier), folders)
+    y_chain, res_chain = _run(sampling_graph(chain, last, mode, tier), folders)
+    y_stack, res_stack = _run(sampling_graph(_stack(rows), "2", mode, tier), folders)
     assert torch.equal(y_stack, y_chain)
     # the report names both rows' adapters, in row order, as the chain's does
     rep_s, rep_c = res_stack.ui["10"]["lora_report"][0], res_chain.ui["10"]["lora_report"][0]
@@ -76,7 +57,7 @@ def test_stack_of_two_equals_chain_of_two(folders, mode, tier):
                                            res_chain.ui["21"]["lora_coverage"][0]["matched"]] == [20, 4]
     # wrong answers: one adapter only, or the rows in the other order with other strengths, differ
     one, last1 = _chain(rows[:1])
-    y_one, _ = _run(_graph(one, last1, mode, tier), folders)
+    y_one, _ = _run(sampling_graph(one, last1, mode, tier), folders)
     assert not torch.equal(y_stack, y_one)
 
 
@@ -97,11 +78,11 @@ def test_rows_off_are_left_out(folders, base):
     out = LoraStack().load(base, json.dumps(rows))
     assert [a.name for a in intent.read(out["result"][0]).adapters] == ["style.safetensors"]
     assert len(out["ui"]["lora_coverage"]) == 1
-    y_off, _ = _run(_graph(_stack(rows), "2"), folders)
+    y_off, _ = _run(sampling_graph(_stack(rows), "2"), folders)
     one, last = _chain(rows[:1])
-    y_one, _ = _run(_graph(one, last), folders)
+    y_one, _ = _run(sampling_graph(one, last), folders)
     assert torch.equal(y_off, y_one)
-    y_both, _ = _run(_graph(_stack(ROWS), "2"), folders)
+    y_both, _ = _run(sampling_graph(_stack(ROWS), "2"), folders)
     assert not torch.equal(y_off, y_both)  # the row that is off would change the result
     # every row off: a clone of the input with no adapter
     none = LoraStack().load(base, json.dumps([dict(r, on=False) for r in ROWS]))["result"][0]
@@ -121,7 +102,7 @@ def test_rows_off_are_left_out(folders, base):
     ([{"lora": "pickled.safetensors"}], "row 1 (pickled.safetensors)"),
 ])
 def test_bad_rows_fail_validation_naming_the_row(folders, rows, text):
-    p = _graph(_stack([]), "2")
+    p = sampling_graph(_stack([]), "2")
     p["2"]["inputs"]["rows"] = rows if isinstance(rows, str) else json.dumps(rows)
     ok, err, outputs, node_errors = validate_prompt(p, CLASSES, folders=folders)
     assert not ok and list(node_errors) == ["2"]
@@ -132,7 +113,7 @@ def test_bad_rows_fail_validation_naming_the_row(folders, rows, text):
 
 def test_a_row_off_is_not_validated(folders):
     """A row that is off is not loaded, so a missing file there does not stop the prompt."""
-    p = _graph(_stack([ROWS[0], {"on": False, "lora": "missing.safetensors"}]), "2")
+    p = sampling_graph(_stack([ROWS[0], {"on": False, "lora": "missing.safetensors"}]), "2")
     ok, err, outputs, node_errors = validate_prompt(p, CLASSES, folders=folders)
     assert ok, node_errors
 

@@ -51,3 +51,24 @@ def _sample(model, seed=42, steps=3):
     neg = CondPos().go("neg")[0]
     out = LoraSampler().sample(model, seed, steps, 5.0, "euler", "simple", pos, neg, latent, 1.0)
     return out["result"][0]["samples"], out["ui"]["lora_report"][0]
+
+
+def sampling_graph(model_nodes: dict, last: str, mode="dynamic", tier="exact"):
+    """An API prompt: the embedded model, `model_nodes` (ending at node `last`), merge mode, tier,
+    a 4-step KSampler (seed 42, CFG 5), a Capture of its latent and the report node."""
+    p = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+        **model_nodes,
+        "3": {"class_type": "LoraRuntimeMergeMode", "inputs": {"model": [last, 0], "mode": mode}},
+        "4": {"class_type": "LoraRuntimeQualityTier", "inputs": {"model": ["3", 0], "tier": tier}},
+        "5": {"class_type": "CondPos", "inputs": {"which": "pos"}},
+        "6": {"class_type": "CondPos", "inputs": {"which": "neg"}},
+        "7": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
+                                                                  "batch_size": 1}},
+        "8": {"class_type": "KSampler", "inputs": {
+            "model": ["4", 0], "seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["5", 0], "negative": ["6", 0], "latent_image": ["7", 0], "denoise": 1.0}},
+        "9": {"class_type": "Capture", "inputs": {"samples": ["8", 0]}},
+        "10": {"class_type": "LoraRuntimeReport", "inputs": {"model": ["4", 0], "latent": ["8", 0]}},
+    }
+    return p
