@@ -29,6 +29,15 @@ function list(v) {
   return Array.isArray(v) ? v : [];
 }
 
+/** Run fn(); an exception gives undefined (editor hooks must never break the host's UI). */
+export function quietly(fn) {
+  try {
+    return fn();
+  } catch {
+    return undefined;
+  }
+}
+
 function safe(fn, fallback) {
   return (...args) => {
     try {

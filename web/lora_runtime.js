@@ -35,7 +35,7 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { collapsedSummary, formatPayload, hoverText, payloadFromOutput, summarize } from "./lora_report_format.js";
+import { collapsedSummary, formatPayload, hoverText, payloadFromOutput, quietly, summarize } from "./lora_report_format.js";
 
 const SETTING_ID = "LoraRuntime.ShowBadges";
 const VUE_SETTING_ID = "Comfy.VueNodes.Enabled";
@@ -79,14 +79,6 @@ const trackedNodes = new Set();
 let showBadges = null; // null until a setting value is known
 let vueNodesOverride = null; // the value a Comfy.VueNodes.Enabled change announced
 let vueTimer = null;
-
-function quietly(fn) {
-  try {
-    return fn();
-  } catch {
-    return undefined;
-  }
-}
 
 function readSetting(id) {
   return quietly(() => {

@@ -12,6 +12,7 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { quietly } from "./lora_report_format.js";
 
 export const NODE_CLASS = "LoraRuntimeStack";
 const ROWS = "rows";
@@ -21,14 +22,6 @@ const SAVED_SIZE = Symbol("loraStackSavedComputeSize");
 const BRANCHES = ["both", "positive only", "negative only"];
 let loraNames = [];
 let branchChoices = BRANCHES;
-
-function quietly(fn) {
-  try {
-    return fn();
-  } catch {
-    return undefined;
-  }
-}
 
 /** `rows` text -> list of complete rows, or null when it is not a JSON list of objects. */
 export function parseRows(text) {
