@@ -14,12 +14,11 @@ from dataclasses import replace
 
 from .. import host
 from ..lora_runtime import LoraRuntimeError
-from ..lora_runtime.files.adapter import check_adapter_file
 from ..lora_runtime.layer.schedule import parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, check_strength
 from . import intent
 from .caches import ADAPTERS
-from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter
+from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter, check_lora_name
 
 NAME = "Load LoRA Adapter (model + CLIP)"
 
@@ -86,11 +85,7 @@ class LoadLoraAdapterModelClip:
 
     @classmethod
     def VALIDATE_INPUTS(cls, lora_name):
-        try:
-            path = host.resolve_lora(lora_name)
-        except (ValueError, FileNotFoundError) as e:
-            return str(e)
-        return check_adapter_file(path, text_encoder_only_ok=True) or True
+        return check_lora_name(lora_name, text_encoder_only_ok=True)
 
     def load(self, model, clip, lora_name, strength_model, strength_clip, unmatched_keys=UNMATCHED_CHOICES[0],
              **model_inputs):

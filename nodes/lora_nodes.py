@@ -90,12 +90,7 @@ class LoadLoraAdapter:
         # (its length against the steps when sampling starts), naming strength_schedule.
         # Layers matched against the model are checked when the node runs too: ComfyUI
         # does not hand a linked input (the MODEL) to validation.
-        try:
-            path = host.resolve_lora(lora_name)
-        except (ValueError, FileNotFoundError) as e:
-            return str(e)
-        problem = check_adapter_file(path)
-        return problem or True
+        return check_lora_name(lora_name)
 
     def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0], strength_schedule="",
              branch=BRANCH_CHOICES[0], blocks="", strength_list=None):
@@ -124,6 +119,16 @@ class LoadLoraAdapter:
                                      block_filter)
         out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
+
+
+def check_lora_name(lora_name, **checks):
+    """A loader's queue-time answer for `lora_name`: True, or the problem with the name or the
+    file's header (`checks` go to `check_adapter_file`)."""
+    try:
+        path = host.resolve_lora(lora_name)
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    return check_adapter_file(path, **checks) or True
 
 
 class LoraMergeMode:
