@@ -27,6 +27,9 @@ stays eager (as PEFT runs).
 Targets: dynamic vs merged <= 1.05x on the CPU; on CUDA <= 1.04x at video sizes (32760 tokens) and
 <= 1.15x at small ones (1530 tokens).
 
+Times: wall clock, except on the CPU at one thread (`--threads 1`): CPU seconds of this process
+(robust to other jobs on a shared machine).
+
 Memory: five copies of the model (none, merged, dynamic/exact, unshared, peft).
 
     python bench/bench_dit_step.py [--device cpu|cuda] [--quick] [--dtype fp32|bf16]
@@ -283,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                 check = {n: rel(outs[n], outs["exact"], effect) for n in ("dynamic", "unshared", "merged", "peft")}
                 del outs
                 log(f"batch {b}: outputs checked; timing {len(arms)} arms x {warmup + repeats} rounds")
-                stats = interleaved_rounds(arms, device, refs=("none", "merged", "unshared"), warmup=warmup,
+                clock = "cpu_process" if device == "cpu" and torch.get_num_threads() == 1 else device
+                stats = interleaved_rounds(arms, clock, refs=("none", "merged", "unshared"), warmup=warmup,
                                            repeats=repeats, inner=inner, progress=log)
             results[b] = (stats, check)
 
