@@ -10,18 +10,9 @@ from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_ea
 from comfyui_lora_runtime.kernels.lora_linear_cublas import cached_bytes, lora_linear_kconcat
 from test_lora_linear import ADAPTERS, check_not_wrong, make, truth64
 from testkit.compare import MulCounter
+from testkit.fixtures import assert_lossless  # contracts.md s.1 against the eager chain
 
 BACKENDS = ["delta_first", "kconcat_cached", "kconcat_rebuilt"]
-
-
-def assert_lossless(y, ref, truth, name):
-    """contracts.md s.1 against the eager chain in the same dtype."""
-    eo, er = y.double() - truth, ref.double() - truth
-    rms_o, rms_r = eo.pow(2).mean().sqrt().item(), er.pow(2).mean().sqrt().item()
-    max_o, max_r = eo.abs().max().item(), er.abs().max().item()
-    assert rms_o <= 1.5 * rms_r + 1e-12, f"{name}: rms {rms_o:.3e} > 1.5 x eager {rms_r:.3e}"
-    assert max_o <= 1.5 * max_r + 1e-12, f"{name}: max {max_o:.3e} > 1.5 x eager {max_r:.3e}"
-    assert abs(eo.mean().item()) <= 0.25 * rms_r + 1e-12, f"{name}: mean error {eo.mean().item():.3e} biased"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
