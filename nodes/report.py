@@ -110,6 +110,9 @@ def text(r: dict) -> str:
     f = r["fusions"]
     lines.append(f"  fusions mounted on {f['mounted']} sites" + (
         f" ({f['skipped']} skipped: {'; '.join(f['skip_reasons'])})" if f["skipped"] else ""))
+    ran = backend_calls(f["sites"])
+    if ran:
+        lines.append("  fused calls by backend: " + ", ".join(f"{b} {n}" for b, n in ran))
     if r.get("restore_bytes"):
         lines.append(f"  restore record ({r.get('restore_memory', 'lean')}): {r['restore_bytes'] / 2**20:.1f} MiB")
     if (r.get("compile") or {}).get("graphs_compiled"):
@@ -118,6 +121,16 @@ def text(r: dict) -> str:
         lines.append(f"  {r['compile']['message']}")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)
+
+
+def backend_calls(sites: list) -> list[tuple[str, int]]:
+    """(backend, fused calls) over every site's `ran` ('route:backend' -> calls), most first."""
+    total: dict[str, int] = {}
+    for s in sites:
+        for key, n in (s.get("ran") or {}).items():
+            b = key.rpartition(":")[2]
+            total[b] = total.get(b, 0) + int(n)
+    return sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def blocks_text(b: dict) -> str:

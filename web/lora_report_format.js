@@ -243,6 +243,19 @@ function routesText(routes) {
   return parts.length ? ` (calls: ${parts.join(", ")})` : "";
 }
 
+/** "ran: triton 40, cublaslt 8": the backend each fused call ran ('route:backend' -> calls). */
+function ranText(ran) {
+  if (!isObj(ran)) return "";
+  const total = new Map();
+  for (const [k, v] of Object.entries(ran)) {
+    if (num(v) === null) continue;
+    const b = k.includes(":") ? k.slice(k.lastIndexOf(":") + 1) : k;
+    total.set(b, (total.get(b) ?? 0) + num(v));
+  }
+  const parts = [...total].sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0])).map(([b, n]) => `${b} ${n}`);
+  return parts.length ? `; ran: ${parts.join(", ")}` : "";
+}
+
 /**
  * The fused-kernel sites: {mounted, sites, skipped, skip_reasons} from the sampler,
  * or the raw list of site dicts older reports carried. null when absent.
@@ -281,7 +294,7 @@ export const formatFusions = safe((fusions) => {
   const title = [];
   for (const s of sites.slice(0, MAX_TITLE_SITES)) {
     const names = list(s.fusions).map((f) => str(f)).filter(Boolean).join(", ");
-    title.push(`${str(s.site, "?")}: ${names || "-"}${routesText(s.routes)}`);
+    title.push(`${str(s.site, "?")}: ${names || "-"}${routesText(s.routes)}${ranText(s.ran)}`);
   }
   if (sites.length > MAX_TITLE_SITES) title.push(`… and ${sites.length - MAX_TITLE_SITES} more sites`);
   if (skipped > 0) {

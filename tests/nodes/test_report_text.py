@@ -29,3 +29,16 @@ def test_an_adapter_without_its_own_decision_says_its_layers_first():
     a = {"name": "c.safetensors", "strength": 0.8, "coverage": {"matched": 4, "file_layers": 4}}
     lines = report.text(_report([a], [])).splitlines()
     assert lines[1] == "  4/4 layers: c.safetensors x0.8"
+
+
+def test_fused_calls_are_named_by_the_backend_they_ran():
+    r = _report([], [])
+    r["fusions"] = {"mounted": 2, "skipped": 0, "skip_reasons": [], "sites": [
+        {"site": "blocks.0.ffn", "fusions": ["linear_gelu_tanh"], "routes": {"base_fused": 3, "lora_fused": 5},
+         "ran": {"base_fused:cublaslt": 3, "lora_fused:triton": 5}},
+        {"site": "blocks.1.ffn", "fusions": ["linear_gelu_tanh"], "routes": {"lora_fused": 4},
+         "ran": {"lora_fused:triton": 2, "lora_fused:delta_first": 2}}]}
+    lines = report.text(r).splitlines()
+    assert "  fused calls by backend: triton 7, cublaslt 3, delta_first 2" in lines
+    r["fusions"]["sites"] = [{"site": "s", "fusions": ["x"]}]  # an older report: no per-backend counts
+    assert not any("by backend" in ln for ln in report.text(r).splitlines())

@@ -109,6 +109,11 @@ test("missing fields (older reports) degrade instead of failing", () => {
   assert.equal(f.text, "fused kernels on 1 site, 1 skipped");
   assert.match(f.title, /why/);
   assert.equal(fmt.formatFusions(undefined), null);
+  const ran = fmt.formatFusions({ mounted: 1, skipped: 0, skip_reasons: [], sites: [{
+    site: "blocks.0.ffn", fusions: ["linear_gelu_tanh"], routes: { lora_fused: 5, base_fused: 3 },
+    ran: { "lora_fused:triton": 4, "lora_fused:delta_first": 1, "base_fused:cublaslt": 3 } }] });
+  assert.match(ran.title, /ran: triton 4, cublaslt 3, delta_first 1/);
+  assert.doesNotMatch(f.title, /ran:/);
   assert.equal(fmt.formatTimings({}), null);
   const dis = fmt.formatReport({ adapters: [{ name: "off", enabled: false, strength: 1, coverage: {} }] });
   assert.equal(dis.find((i) => i.key === "adapter:0").text, "disabled · off ×1.0");
