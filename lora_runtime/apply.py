@@ -113,11 +113,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
             spec = replace(spec, strength=check_strength(combined_factor(spec.strength, c), what=(
                 f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
         adapter = loader(spec.path, content_hash=spec.content_hash) if spec.content_hash else loader(spec.path)
-        name = spec.name or adapter.name
-        base, k = name, 2
-        while name in used:
-            name, k = f"{base}#{k}", k + 1
-        used.add(name)
+        name = unique_name(spec.name or adapter.name, used)
         layers, coverage = match_adapter(adapter, model, lenient=spec.lenient)
         coverage.adapter = name  # the report joins coverage and adapters by the planned name
         strengths, blocks = {}, None
@@ -125,6 +121,15 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
             layers, strengths, blocks = filter_layers(layers, spec.strength, spec.blocks, where=f"adapter {name}")
         planned.append(PlannedAdapter(name, spec, adapter, layers, coverage, strengths, blocks))
     return Plan(mode, tier, planned, restore=restore)
+
+
+def unique_name(name: str, used: set[str]) -> str:
+    """The planned name of an adapter: `name`, or `name#2`, `name#3`... when taken; added to `used`."""
+    base, k = name, 2
+    while name in used:
+        name, k = f"{base}#{k}", k + 1
+    used.add(name)
+    return name
 
 
 def filter_layers(layers: dict, strength: float, blocks: BlockFilter, *, where: str):

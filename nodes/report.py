@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..lora_runtime import ApplyReport, compile_watch
+from ..lora_runtime.apply import unique_name
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.schema.json"
 
@@ -59,10 +60,7 @@ def clip_lines(adapters) -> dict[str, str]:
     """Planned name -> clip line of intent entries (the planner's names: a repeated name gets #2, #3...)."""
     out, used = {}, set()
     for a in adapters:
-        name, k = a.name, 2
-        while name in used:
-            name, k = f"{a.name}#{k}", k + 1
-        used.add(name)
+        name = unique_name(a.name, used)
         if a.clip:
             out[name] = a.clip
     return out
