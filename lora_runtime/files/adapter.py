@@ -535,8 +535,8 @@ def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:
     Returns why it cannot, or None."""
     swapped = la.update.swapped_halves()
     if swapped is None:
-        return (f"a {la.update.kind} update on a [scale, shift] layer stored in the other order; only LoRA and "
-                "diff updates can be reordered")
+        return (f"the model stores this [scale, shift] layer's rows in the other order, and "
+                f"{la.update.why_not_swapped()}")
     la.update = swapped
     return None
 
