@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 
 _LOWRANK_PARTS = ("down", "up")
+_NO_SUCH_LAYER = "no such layer in the model"
 _PARAM_ONLY = frozenset({"diff", "diff_b", "diff_m", "w_norm", "b_norm"})
 
 
@@ -432,7 +433,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
         t = resolved.get(stem)
         if t is None:
-            unmatched[stem] = "no such layer in the model"
+            unmatched[stem] = _NO_SUCH_LAYER
             continue
         target = t.module
         module = None if t.param else all_modules.get(target)
@@ -508,6 +509,12 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     family = guess_family(adapter.layers)
     looks = f"; its keys look like an adapter for {family}" if family else ""
     if not applied_stems:
+        found = {k: v for k, v in unmatched.items() if k in adapter.layers and v != _NO_SUCH_LAYER}
+        if found:   # layers of this model that cannot take their update: say why, not "another model"
+            raise AdapterMatchError(
+                f"{adapter.name}: none of its {len(adapter.layers)} adapter layers can be applied: "
+                + ", ".join(f"{k} ({v})" for k, v in list(found.items())[:3])
+                + ". Re-export the adapter for this model, or use a loader that supports this update")
         raise AdapterMatchError(
             f"{adapter.name} matches no layer of this model ({len(adapter.layers)} adapter layers, e.g. "
             f"{', '.join(list(adapter.layers)[:3])}){looks}. Pick the adapter made for this model.")
