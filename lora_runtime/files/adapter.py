@@ -261,6 +261,7 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     ignored: dict[str, str] = {}
     notes: list[str] = []
     fp8_noted = False
+    inf_alpha: dict[str, str] = {}   # stem -> its alpha key holding +inf (fine where alpha is unused)
     slots: set[str] = set()
     formats: set[str] = set()
     for key, t in tensors.items():
@@ -286,7 +287,11 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                 fp8_noted = True
             t = t.to(torch.float32)
         if not torch.isfinite(t).all():
-            raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — re-export the adapter")
+            if part == "alpha" and t.numel() == 1 and bool(torch.isposinf(t).all()):
+                inf_alpha[stem] = key   # an overflowed alpha: judged once the layer's type is known
+            else:
+                raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — "
+                                         "re-export the adapter")
         if part == "alpha" and t.numel() != 1:
             raise AdapterFormatError(f"{p.name}: {key!r} should be a scalar alpha, got shape {tuple(t.shape)}")
         g = groups.setdefault(stem, {})
@@ -308,6 +313,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
             for k in keys[stem]:
                 ignored[k] = "alpha/DoRA scale without adapter weights"
             continue
+        if stem in inf_alpha:
+            parts = {k: v for k, v in parts.items() if k != "alpha"}
         alpha, source, rslora = _layer_alpha(stem, parts, cfg, notes)
         try:
             la = LayerAdapter(stem, alpha=alpha, keys=keys[stem], rslora=rslora, alpha_source=source,
@@ -317,10 +324,19 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                                      "that supports this type") from None
         except AdapterFormatError as e:
             raise AdapterFormatError(f"{p.name}: {e}") from None
+        if stem in inf_alpha:
+            if not _alpha_unused(la.update):
+                raise AdapterFormatError(f"{p.name}: tensor {inf_alpha[stem]!r} contains NaN or Inf; the file is "
+                                         "damaged — re-export the adapter")
+            source = la.alpha_source = "per-layer .alpha tensors"
         if (la.update is not None and la.update.has_weight_delta and not isinstance(la.update, updates.Full)
                 and not text_encoder_keys.is_text_encoder(stem)):  # the scale source line counts model layers
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
+    if inf_alpha:
+        notes.append(f"{len(inf_alpha)} LoKr layers store alpha = inf (ai-toolkit's 'full rank' LoKr alpha "
+                     "9999999999 saved as float16): both Kronecker factors are full, so alpha is not used "
+                     "(scale 1.0), as in ComfyUI and LyCORIS")
     te_layers = text_encoder_keys.split(layers)
     if any(isinstance(la.update, updates.DoRA) and la.update.axis == "out" for la in layers.values()):
         notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
@@ -335,6 +351,12 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more,
                        text_encoder=te_layers,
                        text_encoder_tensors={k: tensors[k] for la in te_layers.values() for k in la.keys})
+
+
+def _alpha_unused(update) -> bool:
+    """Whether the update's scale ignores alpha (a LoKr whose two factors are both full)."""
+    u = update.inner if isinstance(update, updates.DoRA) else update
+    return isinstance(u, updates.LoKr) and u.dim is None
 
 
 def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.lora_runtime import AdapterMatchError, AdapterSpec, applied, load_adapter, match_adapter, plan
+from comfyui_lora_runtime.lora_runtime import (AdapterFormatError, AdapterMatchError, AdapterSpec, applied, load_adapter,
+                                               match_adapter, plan)
 
 from testkit.dialect_models import MODELS, flux_layers, linear_names, qwen_layers, wan_layers
 
@@ -180,3 +181,38 @@ def test_a_leftover_old_name_is_refused_naming_the_key(tmp_path, stem):
     # "skip and report": the rest applies, the key is named on the report
     _, cov = match_adapter(load_adapter(bad), model, lenient=True)
     assert list(cov.unmatched) == [stem] and cov.unmatched_tensors == 2
+
+
+def test_full_rank_lokr_saved_as_float16_has_alpha_inf_and_loads_as_with_the_bf16_alpha(tmp_path):
+    """ai-toolkit's 'full rank' LoKr stores alpha 9999999999; saved as float16 (its YAML default)
+    that is inf. Both factors are full, so alpha is not used (ComfyUI: dim None -> alpha 1.0):
+    the file applies as its bf16 twin, with a note on the report. An inf alpha where alpha is
+    used, or a NaN, is still refused naming the file and the key."""
+    model = MODELS["Wan"]()
+    _, pn, _ = _files(tmp_path, "Wan", model, seed=3)
+    from safetensors.torch import load_file
+    t = load_file(str(pn))
+    full = [k[:-len(".lokr_w2")] for k in t if k.endswith(".lokr_w2")]
+    assert full
+    f16 = dict(t)
+    for s in full:
+        f16[f"{s}.alpha"] = torch.tensor(9999999999.0).to(torch.float16)
+        assert torch.isposinf(f16[f"{s}.alpha"])
+    save_file(f16, str(tmp_path / "f16.safetensors"))
+    a16, abf = load_adapter(tmp_path / "f16.safetensors"), load_adapter(pn)
+    assert any("alpha = inf" in n and "not used" in n for n in a16.notes)
+    assert not any("alpha = inf" in n for n in abf.notes)
+    assert a16.scale_source == abf.scale_source
+    l16, cov = match_adapter(a16, model)
+    lbf, _ = match_adapter(abf, model)
+    assert cov.unmatched == {} and cov.keys_applied == cov.keys_total
+    for name in lbf:
+        assert torch.equal(l16[name].update.delta(), lbf[name].update.delta()), name
+    # where alpha is used (a factorised LoKr), inf is damage; so is NaN anywhere
+    used = next(k[:-len(".lokr_w2_b")] for k in t if k.endswith(".lokr_w2_b"))
+    for stem, val in ((used, float("inf")), (full[0], float("nan")), (full[0], float("-inf"))):
+        bad = dict(t)
+        bad[f"{stem}.alpha"] = torch.tensor(val)
+        save_file(bad, str(tmp_path / "bad.safetensors"))
+        with pytest.raises(AdapterFormatError, match=rf"bad\.safetensors: tensor '{stem}\.alpha' contains NaN or Inf"):
+            load_adapter(tmp_path / "bad.safetensors")
