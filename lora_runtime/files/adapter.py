@@ -15,6 +15,7 @@ import copy
 import math
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -455,7 +456,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
         t = resolved.get(stem)
         if t is None:
-            unmatched[stem] = _NO_SUCH_LAYER
+            unmatched[stem] = _why_unresolved(stem, all_modules)
             continue
         target = t.module
         module = None if t.param else all_modules.get(target)
@@ -556,6 +557,22 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         else:
             log.info("LoRA %s", report.summary())
     return targets, report
+
+
+_EXPERT = re.compile(r"^(.*?)transformer_([12])[._](blocks[._].*)$")
+
+
+def _why_unresolved(stem: str, modules: dict) -> str:
+    """Why a stem names nothing in the model: one expert of a file holding both Wan 2.2 experts
+    (``transformer_1.`` = high noise, ``transformer_2.`` = low noise, as ai-toolkit writes them
+    together), or no such layer."""
+    m = _EXPERT.match(stem)
+    if m and dialects.resolve(m.group(1) + m.group(3), modules) is not None:
+        which = "high-noise" if m.group(2) == "1" else "low-noise"
+        return (f"names transformer_{m.group(2)}, the {which} expert of a file holding both Wan 2.2 experts; this "
+                "model is one expert: load the file saved for it (ai-toolkit saves one per expert unless "
+                "split_multistage_loras is off)")
+    return _NO_SUCH_LAYER
 
 
 def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:

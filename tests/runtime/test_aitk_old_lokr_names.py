@@ -164,6 +164,8 @@ def test_old_wan_names_differ_from_the_current_ones_where_renames_were_skipped()
                                   "lycoris_transformer_1_blocks_0_self_attn_q"])   # a combined 2-expert file
 def test_a_leftover_old_name_is_refused_naming_the_key(tmp_path, stem):
     model = MODELS["Wan"]()
+    why = ("names transformer_1, the high-noise expert of a file holding both Wan 2.2 experts"
+           if "transformer_1" in stem else "no such layer in the model")
     snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
     po, _, _ = _files(tmp_path, "Wan", model, seed=2)
     from safetensors.torch import load_file
@@ -173,7 +175,7 @@ def test_a_leftover_old_name_is_refused_naming_the_key(tmp_path, stem):
     bad = tmp_path / "leftover.safetensors"
     save_file(t, str(bad))
     for mode in ("merge", "dynamic", "auto"):
-        with pytest.raises(AdapterMatchError, match=rf"leftover\.safetensors.*{stem} \(no such layer in the model\)"):
+        with pytest.raises(AdapterMatchError, match=rf"leftover\.safetensors.*{stem} \({why}"):
             with applied(model, plan(model, [AdapterSpec(str(bad))], mode, "exact"), fusion_backend=None):
                 pass
         for k, v in model.state_dict().items():
@@ -216,3 +218,26 @@ def test_full_rank_lokr_saved_as_float16_has_alpha_inf_and_loads_as_with_the_bf1
         save_file(bad, str(tmp_path / "bad.safetensors"))
         with pytest.raises(AdapterFormatError, match=rf"bad\.safetensors: tensor '{stem}\.alpha' contains NaN or Inf"):
             load_adapter(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("style", ["lycoris_transformer_{e}_blocks_0_self_attn_q", "diffusion_model.transformer_{e}.blocks.0.self_attn.q"])
+def test_a_file_holding_both_wan22_experts_is_refused_saying_so(tmp_path, style):
+    """ai-toolkit with split_multistage_loras off writes both Wan 2.2 14B experts in one file
+    (old LoKr names and current ones). A ComfyUI model is one expert: the error says which expert
+    each key names, not 'an adapter for another model'."""
+    model = MODELS["Wan"]()
+    snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    t = {}
+    for e in (1, 2):
+        stem = style.format(e=e)
+        t[f"{stem}.lokr_w1"] = torch.ones(4, 4)
+        t[f"{stem}.lokr_w2"] = torch.ones(8, 8)
+    save_file(t, str(tmp_path / "both.safetensors"))
+    with pytest.raises(AdapterMatchError, match=r"both\.safetensors: none of its 2 adapter layers can be applied: "
+                                                r".*transformer_1.*\(names transformer_1, the high-noise expert.*"
+                                                r"transformer_2.*\(names transformer_2, the low-noise expert"):
+        with applied(model, plan(model, [AdapterSpec(str(tmp_path / "both.safetensors"))], "auto", "exact"),
+                     fusion_backend=None):
+            pass
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, snap[k]), k
