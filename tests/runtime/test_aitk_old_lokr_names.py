@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import (AdapterFormatError, AdapterMatchError, AdapterSpec, applied, load_adapter,
                                                match_adapter, plan)
 
+from comfyui_lora_runtime.lora_runtime.files.dialects import dialect_name
+
 from testkit.dialect_models import MODELS, flux_layers, linear_names, qwen_layers, wan_layers
 
 # Wan: the diffusers module's tail -> the old file's tail (after "lycoris_blocks_N_")
@@ -115,6 +117,8 @@ def test_every_old_key_is_applied_to_the_module_the_current_name_names(tmp_path,
     assert cov_o.kinds == cov_n.kinds
     if family in LABELS:
         assert cov_o.format.startswith(LABELS[family]), cov_o.format
+        stems = sorted(load_adapter(po).layers)
+        assert dialect_name(stems) == LABELS[family]   # from the names alone, too
     for name in expected:   # the same update, bit for bit
         assert torch.equal(lo[name].update.delta(), ln[name].update.delta()), name
 

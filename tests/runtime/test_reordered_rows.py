@@ -110,14 +110,17 @@ def test_per_column_norms_are_summed_in_the_file_row_order():
     assert torch.equal(ds.delta(weight=swap(w_file)), swap(d.delta(weight=w_file)))
 
 
-def test_lokr_reorders_by_w1_when_even_and_by_w2_when_w1_has_one_row():
+def test_lokr_reorders_by_w1_when_even_and_by_w2_when_w1_has_one_row_and_cp_loha_by_columns():
     g = _g(1)
     even = LoKr(w1=torch.randn(4, 2, generator=g), w2=torch.randn(6, 3, generator=g))
     one = LoKr(w1=torch.randn(1, 2, generator=g), w2_a=torch.randn(24, 2, generator=g), w2_b=torch.randn(2, 3, generator=g))
     tucker = LoKr(w1=torch.randn(1, 2, generator=g), w2_a=torch.randn(2, 24, generator=g),
                   w2_b=torch.randn(3, 3, generator=g), t2=torch.randn(2, 3, generator=g))
-    for u in (even, one, tucker):
+    cp = LoHa(torch.randn(2, 24, generator=g), torch.randn(3, 5, generator=g), torch.randn(2, 24, generator=g),
+              torch.randn(3, 5, generator=g), 1.0, t1=torch.randn(2, 3, generator=g), t2=torch.randn(2, 3, generator=g))
+    for u in (even, one, tucker, cp):
         assert torch.equal(u.swapped_halves().delta(), swap(u.delta()))
+        assert not torch.equal(u.swapped_halves().delta(), u.delta())
     odd = LoKr(w1=torch.randn(3, 2, generator=g), w2=torch.randn(8, 3, generator=g))
     assert odd.swapped_halves() is None and DoRA(odd, torch.ones(24)).swapped_halves() is None
     assert "odd number of rows (3, > 1)" in odd.why_not_swapped()
