@@ -123,9 +123,9 @@ def test_every_old_key_is_applied_to_the_module_the_current_name_names(tmp_path,
         assert torch.equal(lo[name].update.delta(), ln[name].update.delta()), name
 
 
-@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+@pytest.mark.parametrize("mode,tier", [("merge", "exact"), ("dynamic", "exact"), ("dynamic", "lossless")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_old_names_apply_exactly_like_the_current_names(tmp_path, family, mode):
+def test_old_names_apply_exactly_like_the_current_names(tmp_path, family, mode, tier):
     model = _model(family)
     po, pn, expected = _files(tmp_path, family, model, seed=1)
     mods = dict(model.named_modules())
@@ -133,7 +133,7 @@ def test_old_names_apply_exactly_like_the_current_names(tmp_path, family, mode):
     xs = {n: torch.randn(3, mods[n].in_features, generator=torch.Generator().manual_seed(7)) for n in expected}
     got = {}
     for which, path in (("old", po), ("new", pn)):
-        with torch.no_grad(), applied(model, plan(model, [AdapterSpec(str(path))], mode, "exact"),
+        with torch.no_grad(), applied(model, plan(model, [AdapterSpec(str(path))], mode, tier),
                                       fusion_backend=None) as rep:
             assert rep.coverage[0].keys_applied == rep.coverage[0].keys_total
             got[which] = {n: (mods[n].weight.detach().clone() if mode == "merge" else mods[n](xs[n]))
@@ -141,7 +141,7 @@ def test_old_names_apply_exactly_like_the_current_names(tmp_path, family, mode):
         for n in expected:   # restored bit for bit
             assert torch.equal(mods[n].weight, base[n]), n
     for n, want in expected.items():
-        assert torch.equal(got["old"][n], got["new"][n]), n    # exact tier: the same bits
+        assert torch.equal(got["old"][n], got["new"][n]), n    # the same updates, the same path: the same bits
         if mode == "merge":
             d = got["old"][n].double() - base[n].double()
             tol = 4 * torch.finfo(torch.float32).eps * base[n].abs().max().item() + 1e-6 * want.abs().max().item()
