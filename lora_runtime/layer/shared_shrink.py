@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from .wrapper import LoraLinear
 
 _SIBLING_LEAF = re.compile(r"(?:to_|add_)?[qkv](?:_proj|_img)?")
-_MAX_CATS = 8
 
 
 def _version(x: torch.Tensor):
@@ -54,8 +53,8 @@ class SiblingGroup:
         self.members = tuple(members)
         self.partners = [frozenset((i,)) for i in range(len(members))]
         self._entry: _Entry | None = None
-        self._cats: dict = {}
-        self.shared = 0      # calls served from a sibling's GEMM (tests, benchmarks)
+        self._classes: dict = {}  # (member, ctx, dtype) -> what its shared GEMM computes
+        self.shared = 0           # calls served from a sibling's GEMM (tests, benchmarks)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -64,12 +63,13 @@ class SiblingGroup:
     def reset(self) -> None:
         """A member's slot state changed: its A may be another tensor now."""
         self._entry = None
-        self._cats.clear()
+        self._classes.clear()
 
     def _link(self, i: int, j: int) -> None:
         joined = self.partners[i] | self.partners[j]
         for k in joined:
             self.partners[k] = joined
+        self._classes.clear()
 
     def shrink(self, i: int, x: torch.Tensor, ctx, a: torch.Tensor) -> torch.Tensor:
         """h = x A^T for member `i` (A its plan's stacked A): from the pending entry when it
@@ -85,35 +85,35 @@ class SiblingGroup:
                 return h
             if i not in e.a:  # called on the input a sibling just read: a partner from now on
                 self._link(e.owner, i)
-                e.a[i] = a
                 return F.linear(x, a)
         return self._compute(i, x, ctx, a)
 
-    def _compute(self, i, x, ctx, a):
+    def _class(self, i, x, ctx, a):
+        """(members, {member: A}, A's concatenated or None when alone, rank sizes) of member i's
+        shared GEMM in this context: its partners whose current plan is a stacked one."""
         idx, mats = [i], [a]
         for j in sorted(self.partners[i] - {i}):
             aj = getattr(self.members[j]._plan_for(ctx, x).run, "shrink_a", None)
             if aj is not None and aj.shape[1] == a.shape[1] and aj.dtype == a.dtype and aj.device == a.device:
                 idx.append(j)
                 mats.append(aj)
-        if len(idx) == 1:
-            self._entry = _Entry(x, ctx, i, {i: a}, {})
+        cat = torch.cat(mats, 0) if len(idx) > 1 else None
+        return tuple(idx), dict(zip(idx, mats)), cat, [int(m.shape[0]) for m in mats]
+
+    def _compute(self, i, x, ctx, a):
+        key = (i, ctx, x.dtype)
+        c = self._classes.get(key)
+        if c is None or c[1][i] is not a:  # (another device: another A)
+            if len(self._classes) >= 64:  # contexts of past steps (a schedule makes one per factor set)
+                self._classes.clear()
+            c = self._classes[key] = self._class(i, x, ctx, a)
+        idx, mats, cat, sizes = c
+        if cat is None:
+            self._entry = _Entry(x, ctx, i, mats, {})
             return F.linear(x, a)
-        key = tuple(id(m) for m in mats)
-        hit = self._cats.get(key)
-        if hit is None:
-            if len(self._cats) >= _MAX_CATS:
-                self._cats.clear()
-            hit = self._cats[key] = (tuple(mats), torch.cat(mats, 0))  # the mats keep the ids valid
-        h_all = F.linear(x.reshape(-1, x.shape[-1]), hit[1])
-        cols, r0 = {}, 0
-        for j, m in zip(idx, mats):
-            r = int(m.shape[0])
-            cols[j] = h_all[:, r0:r0 + r]
-            r0 += r
-        mine = cols.pop(i)
-        self._entry = _Entry(x, ctx, i, dict(zip(idx, mats)), cols)
-        return mine
+        cols = F.linear(x.reshape(-1, cat.shape[1]), cat).split_with_sizes(sizes, 1)  # one C++ call
+        self._entry = _Entry(x, ctx, i, mats, dict(zip(idx[1:], cols[1:])))
+        return cols[0]
 
 
 def group_siblings(wrappers: "dict[str, LoraLinear]", enabled: bool = True) -> "list[SiblingGroup]":
