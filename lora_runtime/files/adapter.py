@@ -15,6 +15,7 @@ import copy
 import math
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 _LOWRANK_PARTS = ("down", "up")
+_NO_SUCH_LAYER = "no such layer in the model"
 _PARAM_ONLY = frozenset({"diff", "diff_b", "diff_m", "w_norm", "b_norm"})
 
 
@@ -260,6 +262,7 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     ignored: dict[str, str] = {}
     notes: list[str] = []
     fp8_noted = False
+    inf_alpha: dict[str, str] = {}   # stem -> its alpha key holding +inf (fine where alpha is unused)
     slots: set[str] = set()
     formats: set[str] = set()
     for key, t in tensors.items():
@@ -285,7 +288,11 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                 fp8_noted = True
             t = t.to(torch.float32)
         if not torch.isfinite(t).all():
-            raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — re-export the adapter")
+            if part == "alpha" and t.numel() == 1 and bool(torch.isposinf(t).all()):
+                inf_alpha[stem] = key   # an overflowed alpha: judged once the layer's type is known
+            else:
+                raise AdapterFormatError(f"{p.name}: tensor {key!r} contains NaN or Inf; the file is damaged — "
+                                         "re-export the adapter")
         if part == "alpha" and t.numel() != 1:
             raise AdapterFormatError(f"{p.name}: {key!r} should be a scalar alpha, got shape {tuple(t.shape)}")
         g = groups.setdefault(stem, {})
@@ -307,6 +314,8 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
             for k in keys[stem]:
                 ignored[k] = "alpha/DoRA scale without adapter weights"
             continue
+        if stem in inf_alpha:
+            parts = {k: v for k, v in parts.items() if k != "alpha"}
         alpha, source, rslora = _layer_alpha(stem, parts, cfg, notes)
         try:
             la = LayerAdapter(stem, alpha=alpha, keys=keys[stem], rslora=rslora, alpha_source=source,
@@ -316,10 +325,19 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
                                      "that supports this type") from None
         except AdapterFormatError as e:
             raise AdapterFormatError(f"{p.name}: {e}") from None
+        if stem in inf_alpha:
+            if not _alpha_unused(la.update):
+                raise AdapterFormatError(f"{p.name}: tensor {inf_alpha[stem]!r} contains NaN or Inf; the file is "
+                                         "damaged — re-export the adapter")
+            source = la.alpha_source = "per-layer .alpha tensors"
         if (la.update is not None and la.update.has_weight_delta and not isinstance(la.update, updates.Full)
                 and not text_encoder_keys.is_text_encoder(stem)):  # the scale source line counts model layers
             counts[source] = counts.get(source, 0) + 1
         layers[stem] = la
+    if inf_alpha:
+        notes.append(f"{len(inf_alpha)} LoKr layers store alpha = inf (ai-toolkit's 'full rank' LoKr alpha "
+                     "9999999999 saved as float16): both Kronecker factors are full, so alpha is not used "
+                     "(scale 1.0), as in ComfyUI and LyCORIS")
     te_layers = text_encoder_keys.split(layers)
     if any(isinstance(la.update, updates.DoRA) and la.update.axis == "out" for la in layers.values()):
         notes.append("DoRA with a per-row magnitude: normalised by ||W + s·ΔW|| as PEFT and LyCORIS train it; "
@@ -334,6 +352,12 @@ def load_adapter(path: str | os.PathLike, name: str | None = None) -> LoraAdapte
     return LoraAdapter(name, str(p), layers, fmt, digest, meta, ignored, source, notes[:5] + more,
                        text_encoder=te_layers,
                        text_encoder_tensors={k: tensors[k] for la in te_layers.values() for k in la.keys})
+
+
+def _alpha_unused(update) -> bool:
+    """Whether the update's scale ignores alpha (a LoKr whose two factors are both full)."""
+    u = update.inner if isinstance(update, updates.DoRA) else update
+    return isinstance(u, updates.LoKr) and u.dim is None
 
 
 def _layer_alpha(stem: str, parts: dict, cfg, notes: list[str]) -> tuple[float | None, str, bool]:
@@ -432,7 +456,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
         t = resolved.get(stem)
         if t is None:
-            unmatched[stem] = "no such layer in the model"
+            unmatched[stem] = _why_unresolved(stem, all_modules)
             continue
         target = t.module
         module = None if t.param else all_modules.get(target)
@@ -508,6 +532,12 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     family = guess_family(adapter.layers)
     looks = f"; its keys look like an adapter for {family}" if family else ""
     if not applied_stems:
+        found = {k: v for k, v in unmatched.items() if k in adapter.layers and v != _NO_SUCH_LAYER}
+        if found:   # layers of this model that cannot take their update: say why, not "another model"
+            raise AdapterMatchError(
+                f"{adapter.name}: none of its {len(adapter.layers)} adapter layers can be applied: "
+                + ", ".join(f"{k} ({v})" for k, v in list(found.items())[:3])
+                + ". Re-export the adapter for this model, or use a loader that supports this update")
         raise AdapterMatchError(
             f"{adapter.name} matches no layer of this model ({len(adapter.layers)} adapter layers, e.g. "
             f"{', '.join(list(adapter.layers)[:3])}){looks}. Pick the adapter made for this model.")
@@ -529,14 +559,30 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     return targets, report
 
 
+_EXPERT = re.compile(r"^(.*?)transformer_([12])[._](blocks[._].*)$")
+
+
+def _why_unresolved(stem: str, modules: dict) -> str:
+    """Why a stem names nothing in the model: one expert of a file holding both Wan 2.2 experts
+    (``transformer_1.`` = high noise, ``transformer_2.`` = low noise, as ai-toolkit writes them
+    together), or no such layer."""
+    m = _EXPERT.match(stem)
+    if m and dialects.resolve(m.group(1) + m.group(3), modules) is not None:
+        which = "high-noise" if m.group(2) == "1" else "low-noise"
+        return (f"names transformer_{m.group(2)}, the {which} expert of a file holding both Wan 2.2 experts; this "
+                "model is one expert: load the file saved for it (ai-toolkit saves one per expert unless "
+                "split_multistage_loras is off)")
+    return _NO_SUCH_LAYER
+
+
 def _swap_halves(adapter: LoraAdapter, la: LayerAdapter) -> str | None:
     """Exchange the two halves of the update's output rows (diffusers' ``norm_out.linear`` is
     [scale, shift], the native ``final_layer.adaLN_modulation.1`` is [shift, scale]).
     Returns why it cannot, or None."""
     swapped = la.update.swapped_halves()
     if swapped is None:
-        return (f"a {la.update.kind} update on a [scale, shift] layer stored in the other order; only LoRA and "
-                "diff updates can be reordered")
+        return (f"the model stores this [scale, shift] layer's rows in the other order, and "
+                f"{la.update.why_not_swapped()}")
     la.update = swapped
     return None
 

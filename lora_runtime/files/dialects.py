@@ -192,6 +192,7 @@ def _linear1_qkv(shape):
 
 
 D, X, N = "diffusers", "xlabs", "native"
+A = "ai-toolkit"   # names only ai-toolkit's old LoKr files have (native and diffusers mixed)
 _B = r"(\d+)"
 
 FLUX_TABLE: list[tuple[str, list[tuple[str, str, RowsRule]]]] = [
@@ -279,13 +280,15 @@ WAN_TABLE: list[tuple[str, list]] = [
     (rf"blocks\.{_B}\.self_attn\.q", [(D, "blocks.{0}.attn1.to_q", _whole)]),
     (rf"blocks\.{_B}\.self_attn\.k", [(D, "blocks.{0}.attn1.to_k", _whole)]),
     (rf"blocks\.{_B}\.self_attn\.v", [(D, "blocks.{0}.attn1.to_v", _whole)]),
-    (rf"blocks\.{_B}\.self_attn\.o", [(D, "blocks.{0}.attn1.to_out.0", _whole)]),
+    (rf"blocks\.{_B}\.self_attn\.o", [(D, "blocks.{0}.attn1.to_out.0", _whole),
+                                        (A, "blocks.{0}.self_attn.to_out.0", _whole)]),
     (rf"blocks\.{_B}\.self_attn\.norm_q", [(D, "blocks.{0}.attn1.norm_q", _whole)]),
     (rf"blocks\.{_B}\.self_attn\.norm_k", [(D, "blocks.{0}.attn1.norm_k", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.q", [(D, "blocks.{0}.attn2.to_q", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.k", [(D, "blocks.{0}.attn2.to_k", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.v", [(D, "blocks.{0}.attn2.to_v", _whole)]),
-    (rf"blocks\.{_B}\.cross_attn\.o", [(D, "blocks.{0}.attn2.to_out.0", _whole)]),
+    (rf"blocks\.{_B}\.cross_attn\.o", [(D, "blocks.{0}.attn2.to_out.0", _whole),
+                                         (A, "blocks.{0}.cross_attn.to_out.0", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.norm_q", [(D, "blocks.{0}.attn2.norm_q", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.norm_k", [(D, "blocks.{0}.attn2.norm_k", _whole)]),
     (rf"blocks\.{_B}\.cross_attn\.k_img", [(D, "blocks.{0}.attn2.add_k_proj", _whole)]),
@@ -368,6 +371,12 @@ DIALECTS: list[Dialect] = [
             "lora_unet_blocks_0_self_attn_q", "musubi-tuner; whole module"),
     Dialect("Wan VideoX-Fun", "Wan", N, ("lora_unet__",), "lora_unet__blocks_0_self_attn_q", "whole module"),
     Dialect("Wan PEFT", "Wan", N, ("base_model.model.",), "base_model.model.blocks.0.self_attn.q", "whole module"),
+    Dialect("Wan ai-toolkit LoKr (old)", "Wan", A, ("lycoris_",), "lycoris_blocks_0_self_attn_to_out_0",
+            "ai-toolkit's LoKr files before its new LoKr format: diffusers names written as lycoris_<name with "
+            "'_'>, then its diffusers-to-native renames, which look for dotted names: attn1/attn2 -> "
+            "self_attn/cross_attn and to_q/to_k/to_v/add_k_proj/add_v_proj -> q/k/v/k_img/v_img apply, "
+            "to_out_0 and ffn_net_0_proj/ffn_net_2 stay; self_attn_to_out_0 = self_attn.o, cross_attn_to_out_0 = "
+            "cross_attn.o; whole module. A file with these names is labelled so"),
     Dialect("Wan diffusers", "Wan", D, _ANY_DOTTED + ("lora_unet_", "lora_transformer_", "lycoris_"),
             "transformer.blocks.0.attn1.to_q",
             "attn1/attn2 -> self_attn/cross_attn, ffn.net.0.proj -> ffn.0, norm2 <-> norm3, scale_shift_table -> "
@@ -527,7 +536,7 @@ def _pick(found: list[_Entry], prefer: str | None, prefix: str, family: str | No
                 naming = N
             return _Entry(e.native, e.rows, naming, e.param)
         return e
-    for naming in ((prefer,) if prefer else ()) + (N, D, X):
+    for naming in ((prefer,) if prefer else ()) + (N, D, X, A):
         hits = [e for e in found if e.naming == naming]
         if len({(e.native, e.rows) for e in hits}) == 1:
             return hits[0]
@@ -621,6 +630,9 @@ def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None =
         return "unknown"
     if modules is not None:
         labels = Counter(t.dialect for t in resolve_all(stems, modules).values() if t is not None)
+        marks = [d.name for d in DIALECTS if d.naming == A and d.name in labels]
+        if marks:   # names only that naming has: they name the file (the rest is the usual names)
+            return marks[0]
         if labels:
             return labels.most_common(1)[0][0]
     fam_votes: Counter = Counter()
@@ -642,6 +654,8 @@ def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None =
             naming_votes[next(iter(namings))] += 1
     namings = [n for n in (D, X) if naming_votes[n]]
     naming = max(namings, key=lambda n: naming_votes[n]) if namings else N
+    if naming_votes[A]:   # names only that naming has: they name the file
+        naming = A
     if naming == N and family in _SHARED_NAMES and not namings:
         naming = ("diffusers" if prefix in ("transformer.", "base_model.model.") else
                   "native" if prefix else _SHARED_NAMES[family])

@@ -147,8 +147,13 @@ class Update(abc.ABC):
 
     def swapped_halves(self) -> "Update | None":
         """The same update with the two halves of its output rows exchanged (a [scale, shift] layer
-        stored as [shift, scale]), or None when the type cannot reorder its rows."""
+        stored as [shift, scale]), or None when the type cannot reorder its rows (`why_not_swapped`
+        says why)."""
         return None
+
+    def why_not_swapped(self) -> str:
+        """Why `swapped_halves` gives None: one sentence for the error the user sees."""
+        return f"a {self.label or self.kind} update cannot reorder its output rows"
 
     @property
     def needs_weight(self) -> bool:

@@ -5,7 +5,9 @@ Keys: ``dora_scale`` (LyCORIS / ComfyUI), ``lora_magnitude_vector[.<slot>][.weig
 layer is the base layer). The magnitude's shape picks the norm axis: [out] / [out, 1] per output
 row ("out"), [1, in] / [in] per input column ("in"). Norm of the merged weight by default;
 ``comfy_quirk=True`` takes ComfyUI's norm of the original W for axis "out". ``eps`` is added to
-every norm (default fp32 eps; PEFT: 0). Details and the derivations: docs/engine.md.
+every norm (default fp32 eps; PEFT: 0). `swapped_halves`: the same DoRA on a layer that stores the
+two halves of its rows the other way round (exact for both axes; see the method). Details and the
+derivations: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import times
-from .base import Update, as_device, compute_dtype, rows_on, weight_key
+from .base import Update, as_device, compute_dtype, rows_on, swap_halves, weight_key
 
 # Budget (elements) for one chunk of a dense [rows, in] block built to compute norms.
 CHUNK_ELEMS = 1 << 24
@@ -55,7 +57,38 @@ class DoRA(Update):
         else:
             raise self._err(f"the DoRA magnitude has shape {tuple(m.shape)}; for a [{o}, {i}] weight it must "
                             f"be [{o}] or [{o}, 1] (per output row) or [1, {i}] (per input column)")
+        # file_rows[i]: the row of this update that holds row i in the file's own order (None: the
+        # same order). Per-column norms sum over the rows in that order, as the file's layer does.
+        self.file_rows: Tensor | None = None
         self._check_bias()
+
+    def swapped_halves(self) -> "DoRA | None":
+        """The DoRA of the layer P·W whose rows are W's with the two halves exchanged (P: the swap).
+
+        DoRA(P·W) must equal P·DoRA(W) = P·(m ⊙ V / ||V||) with V = W + s·dW. The inner update is
+        swapped (P·V = P·W + s·P·dW). Per-row norms ([out]): row j of P·V is row P(j) of V, so its
+        norm is that row's norm, and the magnitude is swapped with it. Per-column norms ([1, in]): a
+        column's norm sums over every row, whatever their order, so the magnitude stays; the sum is
+        still taken in the file's row order (`file_rows`), so the bits equal the un-reordered ones.
+        None when the inner update cannot reorder its rows (`why_not_swapped`)."""
+        inner = self.inner.swapped_halves()
+        out = self.out_features
+        if inner is None or out % 2:
+            return None
+        m = swap_halves(self.magnitude) if self.axis == "out" else self.magnitude
+        v = DoRA(inner, m, stem=self.stem, comfy_quirk=self.comfy_quirk, eps=self.eps,
+                 diff_b=swap_halves(self.diff_b))
+        if v.axis != self.axis:  # cannot happen: the magnitude keeps its shape
+            raise self._err("reordering the rows changed the DoRA norm axis")
+        rows = self.file_rows if self.file_rows is not None else torch.arange(out)
+        rows = (rows + out // 2) % out
+        v.file_rows = None if torch.equal(rows, torch.arange(out)) else rows
+        return v
+
+    def why_not_swapped(self) -> str:
+        if self.out_features % 2:
+            return f"a DoRA update with an odd number of output rows ({self.out_features}) has no two halves"
+        return f"DoRA around {self.inner.why_not_swapped()}"
 
     @property
     def scale(self) -> float:
@@ -129,8 +162,11 @@ class DoRA(Update):
         else:
             step = max(1, CHUNK_ELEMS // max(1, in_f))
             acc = torch.zeros(out_f if self.axis == "out" else in_f, device=dev, dtype=ct)
+            order = None if self.axis == "out" or self.file_rows is None else self.file_rows.to(dev)
             for r0 in range(0, out_f, step):
                 rs = slice(r0, min(out_f, r0 + step))
+                if order is not None:  # the rows in the file's order (see __init__)
+                    rs = order[rs]
                 wc = weight[rs].to(ct) + self.inner._delta(dev, ct, rs, None)
                 if self.axis == "out":
                     acc[rs] = torch.linalg.vector_norm(wc, dim=1)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, compute_dtype, rows_on
+from .base import Update, as_linear, compute_dtype, rows_on, swap_halves
 
 _NAMES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 
@@ -82,6 +83,23 @@ class LoHa(Update):
     @property
     def in_features(self) -> int:
         return int(self.w1b.shape[1])
+
+    def swapped_halves(self) -> "LoHa | None":
+        """Row i of the delta is row i of both factors: exchange the halves of each factor's output
+        side (the rows of w_a; with CP, w_a is [ra, out]: its columns)."""
+        if self.out_features % 2:
+            return None
+        if self.cp:
+            def side(a):
+                n = a.shape[1] // 2
+                return torch.cat([a[:, n:], a[:, :n]], dim=1)
+        else:
+            side = swap_halves
+        return LoHa(side(self.w1a), self.w1b, side(self.w2a), self.w2b, self.alpha, t1=self.t1, t2=self.t2,
+                    stem=self.stem, diff_b=swap_halves(self.diff_b))
+
+    def why_not_swapped(self) -> str:
+        return f"a LoHa update with an odd number of output rows ({self.out_features}) has no two halves"
 
     def tensors(self) -> dict[str, Tensor]:
         t = {"hada_w1_a": self.w1a, "hada_w1_b": self.w1b, "hada_w2_a": self.w2a, "hada_w2_b": self.w2b}

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, rows_on
+from .base import Update, as_linear, rows_on, swap_halves
 
 _NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
@@ -97,6 +97,38 @@ class LoKr(Update):
     @property
     def in_features(self) -> int:
         return self.w1_shape[1] * self.w2_shape[1]
+
+    def swapped_halves(self) -> "LoKr | None":
+        """Row p*c + q of kron(w1 [a, b], w2 [c, d]) is w1[p] x w2[q]. With a even, the first half of
+        the rows is p < a/2: exchanging the halves is exchanging the halves of w1's rows. With a = 1
+        the rows are w2's: exchange those (w2_a's rows; with Tucker, w2_a is [ra, c]: its columns).
+        Otherwise (a odd, > 1) the halves cut through a Kronecker block: None (`why_not_swapped`)."""
+        a, c = self.w1_shape[0], self.w2_shape[0]
+        if (a * c) % 2:
+            return None
+        w1, w1_a, w2, w2_a = self.w1, self.w1_a, self.w2, self.w2_a
+        if a % 2 == 0:
+            w1, w1_a = swap_halves(w1), swap_halves(w1_a)
+        elif a == 1:
+            if w2 is not None:
+                w2 = swap_halves(w2)
+            elif self.t2 is None:
+                w2_a = swap_halves(w2_a)
+            else:
+                n = c // 2
+                w2_a = torch.cat([w2_a[:, n:], w2_a[:, :n]], dim=1)
+        else:
+            return None
+        return LoKr(w1=w1, w1_a=w1_a, w1_b=self.w1_b, w2=w2, w2_a=w2_a, w2_b=self.w2_b, t2=self.t2,
+                    alpha=self.alpha, stem=self.stem, diff_b=swap_halves(self.diff_b))
+
+    def why_not_swapped(self) -> str:
+        a, c = self.w1_shape[0], self.w2_shape[0]
+        if (a * c) % 2:
+            return f"a LoKr update with an odd number of output rows ({a * c}) has no two halves"
+        return (f"a LoKr update whose w1 has an odd number of rows ({a}, > 1) cannot be reordered: the two "
+                f"halves of kron(w1, w2) cut through a Kronecker block (rows {a // 2 * c}..{(a // 2 + 1) * c - 1}), "
+                "so the exchanged rows are no Kronecker product of two factors")
 
     def tensors(self) -> dict[str, Tensor]:
         vals = (self.w1, self.w1_a, self.w1_b, self.w2, self.w2_a, self.w2_b, self.t2)
