@@ -34,6 +34,7 @@ from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_su
 from .runtime_context import _CURRENT, current_context
 from .stacking import can_add_inplace, row_mask
 from ..scaling import combined_factor, folds_scales, scale_delta, times
+from ..settings import Tier
 from ..updates import Update
 
 if TYPE_CHECKING:
@@ -138,6 +139,8 @@ class LoraLinear(nn.Module):
         self._attached = False
         self.merge_refusal = ""       # set by the host: why this layer's weight must not be merged into
         self.restore_copy = False     # restore memory 'copy': a merge keeps a full copy of the weight
+        self.merge_tier = Tier.EXACT  # set by the injector: lossless/high merges fold the factors
+        self._merged_folded = False   # whether the current merge folded them (its restore does too)
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
@@ -340,10 +343,12 @@ class LoraLinear(nn.Module):
         return [s for s in self.slots.values() if s.contributes and s.has_weight_delta]
 
     @torch.no_grad()
-    def delta_rows(self, rows, slots: list[AdapterSlot] | None = None) -> torch.Tensor:
+    def delta_rows(self, rows, slots: list[AdapterSlot] | None = None, fold: bool = False) -> torch.Tensor:
         """fp32 weight delta of `slots` (default: every contributing slot) for `rows`,
         times each slot's strength. Slots whose delta depends on the weight (DoRA) use the
-        delta frozen at merge time while merged, so a restore subtracts what was added."""
+        delta frozen at merge time while merged, so a restore subtracts what was added.
+        `fold` (lossless/high merges): each slot's scale and strength applied as one product
+        (`Update.folded_delta`); else one after the other, the `exact` order."""
         w = self.weight2d
         slots = self._weight_slots() if slots is None else slots
         out = None
@@ -352,8 +357,11 @@ class LoraLinear(nn.Module):
                 d = s.frozen_delta[rows]
                 out = d.clone() if out is None else out.add_(d)  # never write into the frozen delta
                 continue
-            d = s.update.delta(w.device, torch.float32, rows, weight=w if s.update.needs_weight else None)
-            d = times(d, s.strength, inplace=True)
+            weight = w if s.update.needs_weight else None
+            if fold:
+                d = s.update.folded_delta(w.device, s.strength, rows, weight=weight)
+            else:
+                d = times(s.update.delta(w.device, torch.float32, rows, weight=weight), s.strength, inplace=True)
             out = d if out is None else out.add_(d)
         if out is None:
             out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
@@ -385,12 +393,14 @@ class LoraLinear(nn.Module):
         known, self._verified = self._verified, None
         known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
-            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name,
+            fold = self.merge_tier is not Tier.EXACT
+            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots, fold), what=self.layer_name,
                                          known_fingerprint=known_fp, keep_copy=self.restore_copy)
         except BaseException:
             for s in slots:
                 s.frozen_delta = None
             raise
+        self._merged_folded = fold   # the restore recomputes the delta exactly as the merge did
         for s in slots:
             s.merged = True
         self._merged_names = tuple(s.name for s in slots)
@@ -404,7 +414,8 @@ class LoraLinear(nn.Module):
             return
         slots = [self.slots[n] for n in self._merged_names]
         w = self.weight2d
-        fp = restore_weight(w, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        fold = self._merged_folded
+        fp = restore_weight(w, self._restore, lambda r: self.delta_rows(r, slots, fold), what=self.layer_name)
         for s in slots:
             s.merged = False
             s.frozen_delta = None
