@@ -368,7 +368,8 @@ class LoraLinear(nn.Module):
         return out
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
-        return rounding_loss_sums(self.weight2d, self.delta_rows, max_rows=max_rows)
+        fold = self.merge_tier is not Tier.EXACT   # the scaling the merge would use
+        return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows)
 
     # --- merge / restore -------------------------------------------------------------
     def merge(self, only: set[str] | None = None) -> None:
