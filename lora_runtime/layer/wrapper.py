@@ -349,8 +349,14 @@ class LoraLinear(nn.Module):
         delta frozen at merge time while merged, so a restore subtracts what was added.
         `fold` (lossless/high merges): each slot's scale and strength applied as one product
         (`Update.folded_delta`); else one after the other, the `exact` order."""
-        w = self.weight2d
-        slots = self._weight_slots() if slots is None else slots
+        return self._delta_rows(self.weight2d, rows, self._weight_slots() if slots is None else slots, fold)
+
+    def _chunk_deltas(self, w: torch.Tensor, slots: list[AdapterSlot], fold: bool):
+        """`delta_rows` for merge / restore row chunks, with the weight read once (no per-chunk
+        attribute walk; the caller holds no_grad)."""
+        return lambda rows: self._delta_rows(w, rows, slots, fold)
+
+    def _delta_rows(self, w: torch.Tensor, rows, slots: list[AdapterSlot], fold: bool) -> torch.Tensor:
         out = None
         for s in slots:
             if s.frozen_delta is not None:
@@ -395,7 +401,7 @@ class LoraLinear(nn.Module):
         known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
             fold = self.merge_tier is not Tier.EXACT
-            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots, fold), what=self.layer_name,
+            self._restore = merge_weight(w, self._chunk_deltas(w, slots, fold), what=self.layer_name,
                                          known_fingerprint=known_fp, keep_copy=self.restore_copy)
         except BaseException:
             for s in slots:
@@ -416,7 +422,7 @@ class LoraLinear(nn.Module):
         slots = [self.slots[n] for n in self._merged_names]
         w = self.weight2d
         fold = self._merged_folded
-        fp = restore_weight(w, self._restore, lambda r: self.delta_rows(r, slots, fold), what=self.layer_name)
+        fp = restore_weight(w, self._restore, self._chunk_deltas(w, slots, fold), what=self.layer_name)
         for s in slots:
             s.merged = False
             s.frozen_delta = None
