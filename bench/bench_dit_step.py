@@ -16,15 +16,18 @@ Arms, each on its own copy of the model, timed once per round in rotated order
 (medians of the per-round ratios):
   none      no adapter
   merged    applied(mode="merge"): the adapter folded into the weights
-  dynamic   applied(mode="dynamic"), tier lossless: stacked GEMM pair, addmm_ in place
+  dynamic   applied(mode="dynamic"), tier lossless: stacked GEMM pair, addmm_ in place, the
+            q/k/v of each attention sharing one shrink GEMM (layer/shared_shrink.py)
+  unshared  the same as dynamic with every projection its own shrink GEMM (side by side)
   exact     the same wrapped model under runtime_context(tier="exact") (reference path)
   peft      every adapted Linear replaced by base(x) + (x A^T) B^T * s, out of place
 Fusions: with `--fusion-backend auto` (default) the engine mounts its fused kernels
 where they run (CUDA/Triton; nothing on the CPU) on none/merged/dynamic alike; peft
 stays eager (as PEFT runs).
-Targets: dynamic vs merged <= 1.10x on the CPU, <= 1.05x on the GPU.
+Targets: dynamic vs merged <= 1.05x on the CPU; on CUDA <= 1.04x at video sizes (32760 tokens) and
+<= 1.15x at small ones (1530 tokens).
 
-Memory: four copies of the model (none, merged, dynamic/exact, peft).
+Memory: five copies of the model (none, merged, dynamic/exact, unshared, peft).
 
     python bench/bench_dit_step.py [--device cpu|cuda] [--quick] [--dtype fp32|bf16]
         [--blocks N] [--cfg] [--rank R] [--repeats N] [--threads N] [--fusion-backend auto|none]
@@ -46,7 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, applied, plan
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 
@@ -57,7 +60,15 @@ TEXT_TOKENS = 512
 TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
            "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
 ALPHA, STRENGTH = 16.0, 0.8
-TARGET = {"cpu": 1.10, "cuda": 1.05}
+TARGET = {"cpu": 1.05, "cuda": 1.04, "cuda_small": 1.15}  # dynamic / merged per step
+SMALL_TOKENS = 4096  # at or below: launch- and Python-bound on CUDA (1530 tokens), the looser target
+
+
+def target_for(device: str, tokens: int) -> float:
+    """CPU 1.05; CUDA 1.04 at video sizes (32760 tokens), 1.15 at <= SMALL_TOKENS (1530 tokens)."""
+    if device == "cuda" and tokens <= SMALL_TOKENS:
+        return TARGET["cuda_small"]
+    return TARGET[device]
 
 
 class PeftShapedLinear(nn.Module):
@@ -145,7 +156,7 @@ def dry_run(args) -> dict:
     plan_ = dict(dry_run=True, blocks=blocks, tokens=tokens, text_tokens=TEXT_TOKENS, rank=args.rank,
                  adapted_linears=n_adapted, adapter_flop_share_adapted=share_adapted,
                  adapter_flop_share_all=share_all, batches=[1, 2] if args.cfg else [1],
-                 arms=["none", "merged", "dynamic", "exact", "peft"])
+                 arms=["none", "merged", "dynamic", "unshared", "exact", "peft"], target=target_for("cuda", tokens))
     print(f"# dry run: {plan_}")
     if args.json:
         args.json.write_text(json.dumps(plan_, indent=1) + "\n")
@@ -204,8 +215,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     base = base.to(dtype).eval().requires_grad_(False)
     tensors = adapter_tensors(base, args.rank)
     models = {"none": base, "merged": copy.deepcopy(base), "dynamic": copy.deepcopy(base),
-              "peft": copy.deepcopy(base)}
-    log(f"built 4 copies of a {blocks}-block model in {time.perf_counter() - t0:.1f}s")
+              "unshared": copy.deepcopy(base), "peft": copy.deepcopy(base)}
+    log(f"built 5 copies of a {blocks}-block model in {time.perf_counter() - t0:.1f}s")
     _, _, t, h, w = (1, *LATENT)
     pt, ph, pw = cfg.patch_size
     tokens = (t // pt) * (-(-h // ph)) * (-(-w // pw))
@@ -225,8 +236,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         t0 = time.perf_counter()
         rep_m = stack.enter_context(applied(models["merged"], plan(models["merged"], spec, mode="merge"),
                                             fusion_backend=fusion_backend))
+        inj_d = LoraInjector(models["dynamic"])
         rep_d = stack.enter_context(applied(models["dynamic"], plan(models["dynamic"], spec, mode="dynamic"),
-                                            fusion_backend=fusion_backend))
+                                            fusion_backend=fusion_backend, injector=inj_d))
+        inj_u = LoraInjector(models["unshared"])
+        inj_u.share_shrink = False
+        stack.enter_context(applied(models["unshared"], plan(models["unshared"], spec, mode="dynamic"),
+                                    fusion_backend=fusion_backend, injector=inj_u))
         if fusion_backend is not None:
             mounted = mount_fusions(models["none"], "lossless", fusion_backend)
             stack.callback(mounted.unmount)
@@ -240,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict | None:
               f"{rep_d.layers_wrapped} layers, decision {rep_d.decision.chosen}; peft: {n_peft} layers; "
               f"fusion sites mounted: none {n_fused}, merged "
               f"{sum(1 for f in rep_m.fusions if f.get('fusions'))}, dynamic "
-              f"{sum(1 for f in rep_d.fusions if f.get('fusions'))}")
+              f"{sum(1 for f in rep_d.fusions if f.get('fusions'))}; dynamic's sibling groups (one shrink GEMM "
+              f"each): {len(inj_d.sibling_groups)}")
 
         g = torch.Generator().manual_seed(2)
         results = {}
@@ -256,17 +273,17 @@ def main(argv: list[str] | None = None) -> dict | None:
                 return step
 
             arms = {"none": arm(models["none"], "lossless"), "merged": arm(models["merged"], "lossless"),
-                    "dynamic": arm(models["dynamic"], "lossless"), "exact": arm(models["dynamic"], "exact"),
-                    "peft": arm(models["peft"], "lossless")}
+                    "dynamic": arm(models["dynamic"], "lossless"), "unshared": arm(models["unshared"], "lossless"),
+                    "exact": arm(models["dynamic"], "exact"), "peft": arm(models["peft"], "lossless")}
             with torch.inference_mode():
                 outs = {n: f() for n, f in arms.items()}
                 effect = (outs["exact"].float() - outs["none"].float()).norm()
                 if not effect > 0:
                     raise SystemExit("the adapter changes nothing: the benchmark would compare nothing")
-                check = {n: rel(outs[n], outs["exact"], effect) for n in ("dynamic", "merged", "peft")}
+                check = {n: rel(outs[n], outs["exact"], effect) for n in ("dynamic", "unshared", "merged", "peft")}
                 del outs
                 log(f"batch {b}: outputs checked; timing {len(arms)} arms x {warmup + repeats} rounds")
-                stats = interleaved_rounds(arms, device, refs=("none", "merged"), warmup=warmup,
+                stats = interleaved_rounds(arms, device, refs=("none", "merged", "unshared"), warmup=warmup,
                                            repeats=repeats, inner=inner, progress=log)
             results[b] = (stats, check)
 
@@ -285,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 print(f"| {b:>5} | {n:8} | {s.median_ms:9.1f} | {s.ratio('none'):6.3f} | {s.ratio('merged'):8.3f} | "
                       f"{lo:7.3f}-{hi:7.3f} | {s.min_ms:9.1f} | {s.min_ms / stats['merged'].min_ms:13.3f} |")
     print(f"\n# {load_string()} (end)")
-    tgt = TARGET[device]
+    tgt = target_for(device, tokens)
     summary = dict(device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                    torch=torch.__version__, dtype=dtype_name(dtype), blocks=blocks, tokens=tokens, rank=args.rank,
                    adapter_flop_share_adapted=share_adapted, adapter_flop_share_all=share_all,
@@ -299,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         best = st["dynamic"].min_ms / st["merged"].min_ms
         print(f"# target (batch {b}): dynamic <= {tgt:.2f}x merged on {device}: median {r:.3f}x, best {best:.3f}x "
               f"-> {'met' if r <= tgt else 'NOT met'} (peft {st['peft'].ratio('merged'):.3f}x, "
-              f"exact {st['exact'].ratio('merged'):.3f}x)")
+              f"exact {st['exact'].ratio('merged'):.3f}x; shared shrink: dynamic / unshared "
+              f"{st['dynamic'].ratio('unshared'):.3f}x)")
         summary["batches"][b] = dict(
             diff_from_exact=results[b][1],
             arms={n: dict(ms=s_.median_ms, best_ms=s_.min_ms, x_none=s_.ratio("none"), x_merged=s_.ratio("merged"),

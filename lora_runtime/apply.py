@@ -32,6 +32,7 @@ from .layer.schedule import Branch, Schedule, parse_branch, varies
 from .scaling import combined_factor, layer_strength
 from .settings import (DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength, parse_merge_mode,
                        parse_restore_memory, parse_tier)
+from .layer.shared_shrink import group_siblings
 from .layer.wrapper import LoraLinear, attached_wrapper
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,8 @@ class LoraInjector:
         self.wrappers: dict[str, LoraLinear] = {}
         self.params: dict[str, ParamPatch] = {}
         self.cache = DecisionCache()   # used when `apply` is given none (content-keyed: never stale)
+        self.sibling_groups: list = []  # shared_shrink.SiblingGroup of the wrapped q/k/v-style projections
+        self.share_shrink = True        # False: each projection its own shrink GEMM (benchmarks' side arm)
 
     # -- attaching (instance forward; the module tree is never changed) -----------------
     def _wrap(self, name: str) -> LoraLinear:
@@ -216,6 +219,7 @@ class LoraInjector:
         self.unmerge_all()
         for name in list(self.wrappers):
             self._unwrap(name)
+        self.sibling_groups = []
 
     # -- state transition --------------------------------------------------------------
     def apply(self, p: Plan, cache: DecisionCache | None = None) -> ApplyReport:
@@ -264,6 +268,8 @@ class LoraInjector:
         except BaseException:
             self.unmerge_all()
             raise
+        # q/k/v: one shrink GEMM (eager lossless/high calls)
+        self.sibling_groups = group_siblings(self.wrappers, enabled=self.share_shrink)
         for w in wrappers:  # what a compiled call reads, for the final (merged or dynamic) state
             w.prepare_trace()
         report = ApplyReport(

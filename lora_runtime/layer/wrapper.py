@@ -151,6 +151,7 @@ class LoraLinear(nn.Module):
         self._plans: dict = {}                 # (context, device, dtype) -> call_plan.CallPlan
         self._last_plan = None                 # the plan of the last call (checked first)
         self._trace_plan = None                # call_plan.TracePlan: what a compiled call reads
+        self._sibling = None                   # (shared_shrink.SiblingGroup, index) or None
 
     # --- read-through to the wrapped layer -----------------------------------------
     @property
@@ -266,6 +267,8 @@ class LoraLinear(nn.Module):
         self._plans.clear()
         self._last_plan = None
         self._trace_plan = None
+        if self._sibling is not None:  # the group's pending h and concatenated A's read our old A
+            self._sibling[0].reset()
 
     def prepare_trace(self) -> None:
         """Build what a compiled call reads (tensors only) for the current slot state; called

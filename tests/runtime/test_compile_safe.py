@@ -161,9 +161,10 @@ def test_compile_recompile_limit_fallback_is_reported():
         compile_watch.reset()
 
 
-def test_compile_layers_without_a_trace_plan_stay_correct():
-    """An output offset (diff_b), here on a merged slot, has no trace plan: the compiled call takes
-    the general path (it reads the context: a graph break) and still adds the offset."""
+def test_compile_output_offsets_ride_in_the_trace_plan():
+    """An output offset (diff_b), on a merged slot and on a dynamic one, is in the trace plan:
+    one graph for the layer, the offsets in the compiled output (a wrong answer without them),
+    strength, runtime-scale and branch-mask changes of the offset slots without a recompile."""
     from comfyui_lora_runtime.lora_runtime import LoraLinear
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from testkit.fixtures import lora_pair
@@ -175,13 +176,113 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
     db = torch.randn(24, generator=torch.Generator().manual_seed(2))
     w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0, diff_b=db), 0.8)
     down2, up2 = lora_pair(24, 16, 4, 3, scale=0.3)
-    w.add_adapter("b", LayerAdapter("l", down2, up2, alpha=2.0), -0.6)
+    db2 = torch.randn(24, generator=torch.Generator().manual_seed(4))
+    w.add_adapter("b", LayerAdapter("l", down2, up2, alpha=2.0, diff_b=db2), -0.6)
+    w.attach()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        x = torch.randn(2, 3, 16)
+        with torch.no_grad():
+            base = F.linear(x, lin.weight, lin.bias)
+            w.merge(only={"a"})
+            w.prepare_trace()
+            assert w._trace_plan is not None and len(w._trace_plan.offsets) == 2
+            cf = torch.compile(lin, backend=counting, dynamic=False)
+
+            def check(adapters, fa):
+                with runtime_context(tier="lossless", adapters=adapters):
+                    got, want = cf(x), lin(x)
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                assert (got - (want - db * 0.8 * fa)).abs().max() > 1e-2  # slot a's offset is there
+                assert (got - base).abs().max() > 1e-2
+
+            for adapters, fa in ((None, 1.0), ({"a": (0.5, None), "b": (2.0, None)}, 0.5)):
+                check(adapters, fa)  # a merged: its offset per call
+            assert len(graphs) == 1, f"{len(graphs)} graphs: a runtime factor change recompiled"
+            for mask in ([0.0, 1.0], [1.0, 0.0]):  # a mask appearing: one more graph (documented)
+                check({"b": (1.0, torch.tensor(mask))}, 1.0)
+            assert len(graphs) == 2, f"{len(graphs)} graphs: a mask change recompiled"
+            w.unmerge()
+            w.prepare_trace()  # a merged -> dynamic: another structure, one more graph
+            for sb in (-0.6, 0.4, 0.0, 1.5):
+                w.set_strength("b", sb)
+                check(None, 1.0)
+        assert len(graphs) == 3, f"{len(graphs)} graphs: a strength change of an offset slot recompiled"
+    finally:
+        w.detach()
+
+
+def test_compile_sliced_updates_ride_in_the_trace_plan():
+    """A sliced update (Flux to_q/to_k/to_v onto one qkv weight) traces as one pair: its parts'
+    A's stacked, their B's in their row blocks, a per-rank factor; one graph over strength changes,
+    the compiled output equal to eager and the uncovered rows left at base."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import updates as U
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 30)
+    g = torch.Generator().manual_seed(5)
+
+    def lora(out, r, alpha):
+        return U.LoRA(torch.randn(r, 16, generator=g) * 0.3, torch.randn(out, r, generator=g) * 0.3, alpha)
+    v = U.Sliced([(0, 10, lora(10, 4, 2.0)), (10, 20, lora(10, 2, None)), (24, 30, lora(6, 3, 1.5))], 30)
+    v.check_module(30, 16)
+    w = LoraLinear(lin, "l")
+    w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
+    w.attach()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        w.prepare_trace()
+        assert w._trace_plan is not None and w._trace_plan.slots[0][2].shape == (9,)
+        cf = torch.compile(lin, backend=counting, dynamic=False)
+        x = torch.randn(2, 3, 16)
+        with torch.no_grad():
+            base = F.linear(x, lin.weight, lin.bias)
+            for st in (0.8, -0.4, 1.7):
+                w.set_strength("a", st)
+                for tier in ("lossless", "exact"):
+                    with runtime_context(tier=tier):
+                        got, want = cf(x), lin(x)
+                    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                    assert (got[..., :20] - base[..., :20]).abs().max() > 1e-2
+                    assert (got[..., 24:] - base[..., 24:]).abs().max() > 1e-2
+                    torch.testing.assert_close(got[..., 20:24], base[..., 20:24], rtol=0, atol=0)
+        assert len(graphs) == 1, f"{len(graphs)} graphs for 3 strengths and 2 tiers"
+    finally:
+        w.detach()
+
+
+def test_compile_layers_without_a_trace_plan_stay_correct():
+    """A live slot without a stack() pair (DoRA) has no trace plan: the compiled call takes the
+    general path (it reads the context: a graph break) and is still correct."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import updates as U
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from testkit.fixtures import lora_pair
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    w = LoraLinear(lin, "l")
+    down, up = lora_pair(24, 16, 4, 1, scale=0.3)
+    v = U.DoRA(U.LoRA(down, up, 4.0), lin.weight.detach().norm(dim=1) * 1.2)
+    v.check_module(24, 16)
+    w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
     w.attach()
     try:
         x = torch.randn(3, 16)
         with torch.no_grad():
             base = F.linear(x, lin.weight, lin.bias)
-            w.merge(only={"a"})
             w.prepare_trace()
             assert w._trace_plan is None
             cf = torch.compile(lin, backend="eager")
@@ -189,7 +290,6 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
                 got, want = cf(x), lin(x)
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
             assert (got - base).abs().max() > 1e-2
-            w.unmerge()
     finally:
         w.detach()
 

@@ -2,7 +2,8 @@
 
 Each type multiplies its own scale, the strength and the runtime scale through `scaling`: in
 `exact` (and without a context) every non-unit factor once, in order; in `lossless`/`high` their
-product once (plain LoRA: none, the product is the addmm's alpha). Structural multiplies (DoRA's
+product once (plain LoRA, and sliced updates whose parts are all plain LoRA: none, the product
+is the addmm's alpha). Structural multiplies (DoRA's
 g) are counted per type. A unit factor is never multiplied.
 """
 import itertools
@@ -63,8 +64,8 @@ def _expected(kind, v, tier, strength, rs):
     f = strength * rs
     if own == "own" and kind not in ("full", "bias_only"):
         return structural + _nonunit(v.scale * f)
-    if own == "parts":
-        return structural + sum(_nonunit(s * f) for s in scales)
+    if own == "parts":  # every part a plain pair: the segmented plan's addmm_ alpha per part
+        return structural
     if own == "inner":
         return structural + sum(_nonunit(s) for s in scales) + _nonunit(f)
     return structural + _nonunit(f)
