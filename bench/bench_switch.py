@@ -10,7 +10,8 @@ one per arm; every round times each arm once (order rotated), ratios within a ro
 
 - ``swap``: ``LoraInjector.apply(plan of the other adapter, mode=merge)`` with the
   current one merged: bit-exact restore (recompute + patch the recorded misses +
-  fingerprint check), then merge.
+  fingerprint check), then merge. Default tier (lossless): scale x strength is one product
+  folded into B, as the re-patch applies ``strength * alpha / rank`` once.
 - ``swap (copy)``: the same with restore memory ``copy`` (the merge keeps a full copy of
   each weight, like ComfyUI's backup): restore is a copy, then merge.
 - ``re-patch``: what ComfyUI's model patcher does per weight, written from its

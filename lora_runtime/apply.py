@@ -255,6 +255,7 @@ class LoraInjector:
             w = self.wrappers.get(name) or self._wrap(name)
             w.merge_refusal = p.merge_refusals.get(name, "")
             w.restore_copy = p.restore is RestoreMemory.COPY
+            w.merge_tier = p.tier
             w.set_slots([(pa.name, la, pa.strength_of(name), pa.spec.enabled, pa.adapter.content_hash)
                          for pa, la in entries])
         wrappers = [self.wrappers[n] for n in wanted]

@@ -11,9 +11,10 @@ Contract
   `forward`, or its `stack()` pair) and `scaling` applies the factors per the runtime tier.
   ``diff_b`` offsets are added at run time even when the weight is merged. A runtime scale of
   0.0 returns the base output.
-- ``merge()`` folds the live slots' weight deltas into the weight with one rounding;
-  ``unmerge()`` restores it bit for bit (from the lean record, or a full copy when
-  ``restore_copy`` is set).
+- ``merge()`` folds the live slots' weight deltas into the weight with one rounding (scale and
+  strength one after the other under ``merge_tier`` exact, as one product folded into the up
+  matrix under lossless/high); ``unmerge()`` restores it bit for bit (from the lean record, or a
+  full copy when ``restore_copy`` is set), recomputing the delta as its merge did.
 - ``stack(device, dtype)`` is what a fused kernel takes for this call, or None.
 The paths and their numerics: docs/engine.md.
 """
@@ -34,6 +35,7 @@ from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_su
 from .runtime_context import _CURRENT, current_context
 from .stacking import can_add_inplace, row_mask
 from ..scaling import combined_factor, folds_scales, scale_delta, times
+from ..settings import Tier
 from ..updates import Update
 
 if TYPE_CHECKING:
@@ -138,6 +140,8 @@ class LoraLinear(nn.Module):
         self._attached = False
         self.merge_refusal = ""       # set by the host: why this layer's weight must not be merged into
         self.restore_copy = False     # restore memory 'copy': a merge keeps a full copy of the weight
+        self.merge_tier = Tier.EXACT  # set by the injector: lossless/high merges fold the factors
+        self._merged_folded = False   # whether the current merge folded them (its restore does too)
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
@@ -343,27 +347,39 @@ class LoraLinear(nn.Module):
         return [s for s in self.slots.values() if s.contributes and s.has_weight_delta]
 
     @torch.no_grad()
-    def delta_rows(self, rows, slots: list[AdapterSlot] | None = None) -> torch.Tensor:
+    def delta_rows(self, rows, slots: list[AdapterSlot] | None = None, fold: bool = False) -> torch.Tensor:
         """fp32 weight delta of `slots` (default: every contributing slot) for `rows`,
         times each slot's strength. Slots whose delta depends on the weight (DoRA) use the
-        delta frozen at merge time while merged, so a restore subtracts what was added."""
-        w = self.weight2d
-        slots = self._weight_slots() if slots is None else slots
+        delta frozen at merge time while merged, so a restore subtracts what was added.
+        `fold` (lossless/high merges): each slot's scale and strength applied as one product
+        (`Update.folded_delta`); else one after the other, the `exact` order."""
+        return self._delta_rows(self.weight2d, rows, self._weight_slots() if slots is None else slots, fold)
+
+    def _chunk_deltas(self, w: torch.Tensor, slots: list[AdapterSlot], fold: bool):
+        """`delta_rows` for merge / restore row chunks, with the weight read once (no per-chunk
+        attribute walk; the caller holds no_grad)."""
+        return lambda rows: self._delta_rows(w, rows, slots, fold)
+
+    def _delta_rows(self, w: torch.Tensor, rows, slots: list[AdapterSlot], fold: bool) -> torch.Tensor:
         out = None
         for s in slots:
             if s.frozen_delta is not None:
                 d = s.frozen_delta[rows]
                 out = d.clone() if out is None else out.add_(d)  # never write into the frozen delta
                 continue
-            d = s.update.delta(w.device, torch.float32, rows, weight=w if s.update.needs_weight else None)
-            d = times(d, s.strength, inplace=True)
+            weight = w if s.update.needs_weight else None
+            if fold:
+                d = s.update.folded_delta(w.device, s.strength, rows, weight=weight)
+            else:
+                d = times(s.update.delta(w.device, torch.float32, rows, weight=weight), s.strength, inplace=True)
             out = d if out is None else out.add_(d)
         if out is None:
             out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
         return out
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
-        return rounding_loss_sums(self.weight2d, self.delta_rows, max_rows=max_rows)
+        fold = self.merge_tier is not Tier.EXACT   # the scaling the merge would use
+        return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows)
 
     # --- merge / restore -------------------------------------------------------------
     def merge(self, only: set[str] | None = None) -> None:
@@ -388,12 +404,14 @@ class LoraLinear(nn.Module):
         known, self._verified = self._verified, None
         known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
-            self._restore = merge_weight(w, lambda r: self.delta_rows(r, slots), what=self.layer_name,
+            fold = self.merge_tier is not Tier.EXACT
+            self._restore = merge_weight(w, self._chunk_deltas(w, slots, fold), what=self.layer_name,
                                          known_fingerprint=known_fp, keep_copy=self.restore_copy)
         except BaseException:
             for s in slots:
                 s.frozen_delta = None
             raise
+        self._merged_folded = fold   # the restore recomputes the delta exactly as the merge did
         for s in slots:
             s.merged = True
         self._merged_names = tuple(s.name for s in slots)
@@ -407,7 +425,8 @@ class LoraLinear(nn.Module):
             return
         slots = [self.slots[n] for n in self._merged_names]
         w = self.weight2d
-        fp = restore_weight(w, self._restore, lambda r: self.delta_rows(r, slots), what=self.layer_name)
+        fold = self._merged_folded
+        fp = restore_weight(w, self._restore, self._chunk_deltas(w, slots, fold), what=self.layer_name)
         for s in slots:
             s.merged = False
             s.frozen_delta = None

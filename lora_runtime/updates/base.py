@@ -212,6 +212,12 @@ class Update(abc.ABC):
     @abc.abstractmethod
     def _delta(self, device: torch.device, ct: torch.dtype, rows, weight) -> Tensor: ...
 
+    def folded_delta(self, device, factor: float, rows=None, *, weight: Tensor | None = None) -> Tensor:
+        """fp32 `delta(rows)` times `factor`, for the lossless/high tiers, which may apply
+        ``scale * factor`` once. Types that can fold the product into a factor matrix override
+        this; the default applies the factors one after the other (the `exact` bits)."""
+        return times(self.delta(device, torch.float32, rows, weight=weight), factor, inplace=True)
+
     def forward(self, x: Tensor, factor: float = 1.0, base_out_nobias: Tensor | None = None,
                 weight: Tensor | None = None, *, include_bias: bool = True) -> Tensor:
         """Output delta for input x [..., in], in x's dtype, times `scale` and `factor`.

@@ -49,6 +49,20 @@ def test_fingerprint_is_its_documented_definition():
     assert fingerprint(w) == ref
 
 
+@pytest.mark.parametrize("lanes", [1, 65520, 65521, 2 * 65521, 2 * 65521 + 3])
+def test_fingerprint_definition_holds_at_every_period_boundary(lanes):
+    """The lanes are summed per position modulo 65521 first: less than one period, whole
+    periods and a partial last period give the documented sums (wrong weights or a lost
+    tail lane would not)."""
+    g = torch.Generator().manual_seed(lanes)
+    w = torch.randint(-2**15, 2**15, (lanes * 4,), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    v = w.view(torch.int64).tolist()
+    m = (1 << 64) - 1
+    ref = (sum(v) & m, sum(x * (2 * (j % 65521) + 1) for j, x in enumerate(v)) & m)
+    assert fingerprint(w) == ref
+    assert fingerprint(_flip(w, 4 * lanes - 1)) != ref   # the last lane counts
+
+
 @pytest.mark.parametrize("key", [fingerprint, content_key])
 def test_ulp_slips_that_cancel_in_a_plain_sum_are_caught(key):
     """+1 ulp here and -1 ulp at the same lane position elsewhere leave the sum of the bits
