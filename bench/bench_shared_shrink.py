@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
@@ -37,8 +37,8 @@ from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 
 from _timing import dtype_name, header, interleaved_rounds, load_string, parse_dtype
+from bench_dit_step import ALPHA, STRENGTH, write_kohya
 
-ALPHA, STRENGTH = 16.0, 0.8
 
 
 class Attn(nn.Module):
@@ -72,14 +72,8 @@ def qkv_case(dim, rank, tokens, dtype, tmp):
     base = Holder(dim).to(dtype).eval().requires_grad_(False)
     tensors = {f"self_attn.{n}": _pair(dim, dim, rank, g, dtype) for n in "qkv"}
     path = Path(tmp) / "qkv.safetensors"
-    sd = {}
-    for name, (down, up) in tensors.items():
-        sd[f"diffusion_model.{name}.lora_down.weight"] = down.contiguous()
-        sd[f"diffusion_model.{name}.lora_up.weight"] = up.contiguous()
-        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(ALPHA)
-    save_file(sd, str(path))
+    write_kohya(path, tensors)
     stack = contextlib.ExitStack()
-    import copy
     for arm, share in (("shared", True), ("unshared", False)):
         m = copy.deepcopy(base)
         inj = LoraInjector(m)
@@ -179,27 +173,27 @@ def main(argv=None) -> dict:
         qdim, fdim, tokens = 1536, 3072, args.tokens
         repeats, inner = args.repeats or (5 if args.quick else 11), 3
     clock = "cpu_process" if args.threads == 1 else "cpu"  # CPU seconds of this process at one thread
-    print(header("cpu", f"times: {'CPU seconds of this process' if clock == 'cpu_process' else 'wall clock'}; qkv: Wan-1.3B self-attention q/k/v {qdim}, rank 32; sliced: Flux qkv {fdim}->{3 * fdim}, "
-                        f"3 slices of rank 16; {tokens} tokens, {dtype_name(dtype)}, {args.threads} thread(s); "
+    times = "CPU seconds of this process" if clock == "cpu_process" else "wall clock"
+    print(header("cpu", f"times: {times}; qkv: Wan-1.3B self-attention q/k/v {qdim}, rank 32; sliced: Flux qkv "
+                        f"{fdim}->{3 * fdim}, 3 slices of rank 16; {tokens} tokens, {dtype_name(dtype)}, {args.threads} thread(s); "
                         f"median of {repeats} rounds x {inner} calls"))
     out = {}
+
+    def timed(case, arms, lines, new, old):
+        print("\n".join(lines))
+        st = interleaved_rounds(arms, clock, refs=("plain",), warmup=1, repeats=repeats, inner=inner)
+        out[case] = _added(st, new, old)
+        for n in arms:
+            print(f"| {case} | {n:9} | {st[n].median_ms:9.2f} ms | x plain {st[n].ratio('plain'):.3f} | added "
+                  f"{st[n].median_ms - st['plain'].median_ms:8.2f} ms |")
+
     with tempfile.TemporaryDirectory() as tmp:
         arms, lines, stack = qkv_case(qdim, 32, tokens, dtype, tmp)
         with stack:
-            print("\n".join(lines))
-            st = interleaved_rounds(arms, clock, refs=("plain",), warmup=1, repeats=repeats, inner=inner)
-            out["qkv"] = _added(st, "shared", "unshared")
-            for n in arms:
-                print(f"| qkv | {n:9} | {st[n].median_ms:9.2f} ms | x plain {st[n].ratio('plain'):.3f} | added "
-                      f"{st[n].median_ms - st['plain'].median_ms:8.2f} ms |")
+            timed("qkv", arms, lines, "shared", "unshared")
     arms, lines, w = sliced_case(fdim, 16, tokens, dtype)
     try:
-        print("\n".join(lines))
-        st = interleaved_rounds(arms, clock, refs=("plain",), warmup=1, repeats=repeats, inner=inner)
-        out["sliced"] = _added(st, "segmented", "per part")
-        for n in arms:
-            print(f"| sliced | {n:9} | {st[n].median_ms:9.2f} ms | x plain {st[n].ratio('plain'):.3f} | added "
-                  f"{st[n].median_ms - st['plain'].median_ms:8.2f} ms |")
+        timed("sliced", arms, lines, "segmented", "per part")
     finally:
         w.detach()
     print(f"# {load_string()}")

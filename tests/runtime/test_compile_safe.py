@@ -37,6 +37,16 @@ def _counting_inductor(gm, example_inputs):
     return compile_fx(gm, example_inputs)
 
 
+def _graph_counter():
+    """(graphs, backend): a torch.compile backend that runs each graph as traced and keeps it."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return graphs, counting
+
+
 def _write(path, model, seed):
     g = torch.Generator().manual_seed(seed)
     t = {}
@@ -179,11 +189,7 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
     db2 = torch.randn(24, generator=torch.Generator().manual_seed(4))
     w.add_adapter("b", LayerAdapter("l", down2, up2, alpha=2.0, diff_b=db2), -0.6)
     w.attach()
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, counting = _graph_counter()
 
     try:
         x = torch.randn(2, 3, 16)
@@ -236,11 +242,7 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
     w = LoraLinear(lin, "l")
     w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
     w.attach()
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, counting = _graph_counter()
 
     try:
         w.prepare_trace()
@@ -305,11 +307,7 @@ def test_compile_set_strength_on_a_prepared_wrapper_does_not_recompile():
     down, up = lora_pair(24, 16, 4, 1, scale=0.3)
     w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0), 0.8)
     w.attach()
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, counting = _graph_counter()
 
     try:
         w.prepare_trace()
