@@ -122,7 +122,8 @@ def _slot(w: LoraLinear, name: str):
 def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None = None) -> tuple | None:
     """What a measurement of adapter `name` on `wrappers` depends on, by content: per layer the
     weight's content key (dtype, shape, device, checksums of its bits: `merge.content_key`),
-    the adapter file's digest, the layer stem, strength and alpha. None when a slot has no
+    the adapter file's digest, the layer stem, strength and alpha, and whether the merge folds
+    its factors (the tier: the share measured follows the merge's scaling). None when a slot has no
     content digest (an adapter built in memory): such a measurement is never cached."""
     parts = []
     for w in wrappers:
@@ -136,7 +137,7 @@ def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None
             wk = content_key(w.weight2d)
             if weight_keys is not None:
                 weight_keys[w.layer_name] = wk
-        parts.append((w.layer_name, wk, s.content_hash, s.layer.stem, s.strength, s.update.alpha))
+        parts.append((w.layer_name, wk, s.content_hash, s.layer.stem, s.strength, s.update.alpha, w.merge_folds))
     return tuple(parts)
 
 

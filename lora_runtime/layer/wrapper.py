@@ -377,8 +377,14 @@ class LoraLinear(nn.Module):
             out = torch.zeros((w[rows].shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
         return out
 
+    @property
+    def merge_folds(self) -> bool:
+        """Does a merge here fold scale x strength into one product (lossless/high), or apply them in
+        order (exact)? The rounding-loss estimate, the merge and its decision cache key follow it."""
+        return self.merge_tier is not Tier.EXACT
+
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
-        fold = self.merge_tier is not Tier.EXACT   # the scaling the merge would use
+        fold = self.merge_folds   # the scaling the merge would use
         return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows)
 
     # --- merge / restore -------------------------------------------------------------
@@ -404,7 +410,7 @@ class LoraLinear(nn.Module):
         known, self._verified = self._verified, None
         known_fp = known[0] if known is not None and known[1] == _identity(w) else None
         try:
-            fold = self.merge_tier is not Tier.EXACT
+            fold = self.merge_folds
             self._restore = merge_weight(w, self._chunk_deltas(w, slots, fold), what=self.layer_name,
                                          known_fingerprint=known_fp, keep_copy=self.restore_copy)
         except BaseException:

@@ -97,6 +97,19 @@ def test_auto_measures_once_per_adapter_set(files):
     assert cache.measurements == 2
 
 
+def test_auto_measures_again_when_the_merge_scaling_changes(files):
+    """exact merges apply scale and strength in order, lossless/high fold them into one product:
+    a share measured for one is not served to the other; lossless and high share it."""
+    model = TinyWanLike(dtype=torch.bfloat16)
+    cache = DecisionCache()
+    s = [AdapterSpec(str(files["style"]), 0.8)]
+    _run(model, s, "auto", tier="exact", cache=cache)
+    _, r = _run(model, s, "auto", tier="lossless", cache=cache)
+    assert cache.measurements == 2 and not r.decision.cached
+    _, r = _run(model, s, "auto", tier="high", cache=cache)
+    assert cache.measurements == 2 and r.decision.cached
+
+
 def _merged_state(model, specs):
     with torch.no_grad(), applied(model, plan(model, specs, "merge", "exact"), fusion_backend=None):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
