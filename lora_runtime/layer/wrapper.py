@@ -12,8 +12,8 @@ Contract
   ``diff_b`` offsets are added at run time even when the weight is merged. A runtime scale of
   0.0 returns the base output.
 - ``merge()`` folds the live slots' weight deltas into the weight with one rounding (scale and
-  strength one after the other under ``merge_tier`` exact, as one product folded into the up
-  matrix under lossless/high); ``unmerge()`` restores it bit for bit (from the lean record, or a
+  strength one after the other under ``merge_tier`` exact, as one product under lossless/high);
+  ``unmerge()`` restores it bit for bit (from the lean record, or a
   full copy when ``restore_copy`` is set), recomputing the delta as its merge did.
 - ``stack(device, dtype)`` is what a fused kernel takes for this call, or None.
 The paths and their numerics: docs/engine.md.

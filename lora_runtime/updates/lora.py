@@ -98,18 +98,13 @@ class LoRA(Update):
         return times(up @ down, self.scale, inplace=True)
 
     def folded_delta(self, device, factor: float, rows=None, *, weight: Tensor | None = None) -> Tensor:
-        """``(up * (scale * factor)) @ down``: the product folded into the up matrix (cached per
-        product), so the delta costs the GEMM alone, no pass over it per factor."""
-        s = combined_factor(self.scale, factor)
-        device = torch.device(device) if not isinstance(device, torch.device) else device
-        key = ("folded_up", str(device))
-        hit = self._cache.get(key)
-        if hit is None or hit[0] != s:
-            hit = self._cache[key] = (s, times(self.factors(device, torch.float32)[1], s))
-        up = hit[1]
+        """``(up @ down) * (scale * factor)``: one pass over the delta with the fp64 product of the
+        factors (ComfyUI's `calculate_weight` order, so a lossless merge writes its bits), not
+        one pass per factor."""
+        down, up = self.factors(device, torch.float32)
         if rows is not None:
             up = up[rows_on(rows, device)]
-        return up @ self.factors(device, torch.float32)[0]
+        return times(up @ down, combined_factor(self.scale, factor), inplace=True)
 
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         down, up = self.factors(x.device, x.dtype)

@@ -1,6 +1,7 @@
 """Merges per tier (contracts.md s.1 and s.3): `exact` applies scale then strength, one after
-the other, bit for bit; `lossless`/`high` fold their product into the up matrix (no pass over
-the delta per factor) and stay within the lossless contract against an fp64 ground truth.
+the other, bit for bit; `lossless`/`high` apply their product in one pass after the GEMM
+(ComfyUI's order: its merge's bits) and stay within the lossless contract against an fp64
+ground truth.
 Either way the restore is bit-exact, copy and lean write the same bits, and a restore after
 the tier changed recomputes what its merge used."""
 import pytest
@@ -54,8 +55,8 @@ def test_folded_merge_is_one_product_within_the_lossless_contract(dtype, tier):
     s = ALPHA / RANK * STRENGTH
     w.merge()
     ref.merge()
-    folded = (before.float() + (up * s) @ down).to(dtype)
-    assert torch.equal(w.weight, folded)                          # the product, folded into up
+    folded = (before.float() + (up @ down) * s).to(dtype)
+    assert torch.equal(w.weight, folded)                          # one pass with the product
     truth = before.double() + (up.double() @ down.double()) * s   # fp64 ground truth
     rms, mx, mean = _errors(w.weight, truth)
     rms_ref, mx_ref, _ = _errors(ref.weight, truth)
