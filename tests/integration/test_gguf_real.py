@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors_bytes
-from testkit.lora_assets import MODEL, psnr, sampling_graph, write_kohya_lora, write_variant_file
+from testkit.lora_assets import MODEL, PromptGraph, psnr, write_kohya_lora, write_variant_file
 
 STRENGTH = 0.8
 MIN_PSNR = 40.0
@@ -135,36 +135,10 @@ def gguf_comfy(comfy, reference, tmp_path_factory):
     server.stop()
 
 
-class Prompt:
+class Prompt(PromptGraph):
     def __init__(self, comfy, qtype):
-        self.tag = next(_counter)
-        self.p = sampling_graph(comfy.helper_cond_class, f"gguf-{self.tag}")
+        super().__init__(comfy.helper_cond_class, "gguf", next(_counter), SETTINGS, STRENGTH)
         self.p["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": f"tiny_wan_{qtype}.gguf"}}
-        self.saves: dict[str, str] = {}
-        self.reports: dict[str, str] = {}
-
-    def node(self, nid, class_type, **inputs) -> list:
-        assert nid not in self.p, nid
-        self.p[nid] = {"class_type": class_type, "inputs": inputs}
-        return [nid, 0]
-
-    def ksampler(self, nid, model):
-        self.node(nid, "KSampler", model=model, positive=["2", 0], negative=["3", 0], latent_image=["40", 0],
-                  denoise=1.0, **SETTINGS)
-        self.node(f"s{nid}", "SaveLatent", samples=[nid, 0], filename_prefix=f"it_gguf/{nid}_{self.tag}")
-        self.saves[nid] = f"s{nid}"
-
-    def gguf_lora(self, nid, name):
-        m = self.node(f"L{nid}", "LoraLoaderModelOnly", model=["1", 0], lora_name=name, strength_model=STRENGTH)
-        self.ksampler(nid, m)
-
-    def ours(self, nid, name, mode, tier):
-        m = self.node(f"A{nid}", "LoraRuntimeLoadAdapter", model=["1", 0], lora_name=name, strength=STRENGTH)
-        m = self.node(f"M{nid}", "LoraRuntimeMergeMode", model=m, mode=mode)
-        m = self.node(f"Q{nid}", "LoraRuntimeQualityTier", model=m, tier=tier)
-        self.ksampler(nid, m)
-        self.node(f"R{nid}", "LoraRuntimeReport", model=m, latent=[nid, 0])
-        self.reports[nid] = f"R{nid}"
 
 
 def run(comfy, prompt: Prompt):
@@ -188,7 +162,7 @@ def rel(a, b) -> float:
 def test_every_mode_and_tier_against_comfyui_gguf(gguf_comfy, qtype):
     p = Prompt(gguf_comfy, qtype)
     p.ksampler("base", ["1", 0])
-    p.gguf_lora("gguf", "it_gguf/lora.safetensors")
+    p.comfy_lora("gguf", "it_gguf/lora.safetensors")
     cases = [(m, t) for m in MODES for t in TIERS if not (qtype == "Q8_0" and m == "merge")]
     for i, (mode, tier) in enumerate(cases):
         p.ours(f"o{i}", "it_gguf/lora.safetensors", mode, tier)
@@ -232,7 +206,7 @@ def test_update_types_against_comfyui_gguf(gguf_comfy, qtype):
     p.ksampler("base", ["1", 0])
     modes = ("dynamic",) if qtype == "Q8_0" else ("dynamic", "merge")
     for kind in KINDS:
-        p.gguf_lora(f"g_{kind}", f"it_gguf/{kind}.safetensors")
+        p.comfy_lora(f"g_{kind}", f"it_gguf/{kind}.safetensors")
         for mode in modes:
             p.ours(f"o_{kind}_{mode}", f"it_gguf/{kind}.safetensors", mode, "exact")
     lat, reps = run(gguf_comfy, p)

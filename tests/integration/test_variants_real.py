@@ -64,7 +64,7 @@ from pathlib import Path
 import pytest
 import torch
 from testkit.lora_assets import (BLOCKS, MODEL, VARIANT_KINDS, _wan_modules, dora_as_diff, load_base_weights, psnr,
-                          sampling_graph, save_adapter_file, write_variant_file)
+                          PromptGraph, save_adapter_file, write_variant_file)
 from safetensors.torch import load as load_safetensors_bytes
 
 STRENGTH = 0.8
@@ -148,36 +148,11 @@ def assets(comfy, reference):
     return comfy
 
 
-class Prompt:
-    def __init__(self, cond_class):
-        self.tag = next(_counter)
-        self.p = sampling_graph(cond_class, f"variants-{self.tag}")
-        self.saves: dict[str, str] = {}
-
-    def node(self, nid, class_type, **inputs) -> list:
-        assert nid not in self.p, nid
-        self.p[nid] = {"class_type": class_type, "inputs": inputs}
-        return [nid, 0]
-
-    def ksampler(self, nid, model):
-        self.node(nid, "KSampler", model=model, positive=["2", 0], negative=["3", 0], latent_image=["40", 0],
-                  denoise=1.0, **SETTINGS)
-        self.node(f"s{nid}", "SaveLatent", samples=[nid, 0], filename_prefix=f"it_variants/{nid}_{self.tag}")
-        self.saves[nid] = f"s{nid}"
-
-    def comfy_lora(self, nid, name):
-        m = self.node(f"L{nid}", "LoraLoaderModelOnly", model=["1", 0], lora_name=name, strength_model=STRENGTH)
-        self.ksampler(nid, m)
-
-    def ours(self, nid, name, mode):
-        m = self.node(f"A{nid}", "LoraRuntimeLoadAdapter", model=["1", 0], lora_name=name, strength=STRENGTH)
-        m = self.node(f"M{nid}", "LoraRuntimeMergeMode", model=m, mode=mode)
-        m = self.node(f"Q{nid}", "LoraRuntimeQualityTier", model=m, tier="exact")
-        self.ksampler(nid, m)
-        self.node(f"R{nid}", "LoraRuntimeReport", model=m, latent=[nid, 0])
+def Prompt(cond_class) -> PromptGraph:  # noqa: N802 (a prompt builder, named like the class it makes)
+    return PromptGraph(cond_class, "variants", next(_counter), SETTINGS, STRENGTH)
 
 
-def run(comfy, prompt: Prompt):
+def run(comfy, prompt: PromptGraph):
     record = comfy.run(prompt.p)
     out = {}
     outputs = record["history"]["outputs"]

@@ -23,6 +23,41 @@ def sampling_graph(cond_class: str, tag: str) -> dict:
     }
 
 
+class PromptGraph:
+    """An API prompt on `sampling_graph`: KSamplers that save their latent under ``it_<folder>/``,
+    ComfyUI's LoraLoaderModelOnly, and our chain (load -> merge mode -> tier -> report). `saves`
+    and `reports` map a sampler's id to its SaveLatent / report node."""
+
+    def __init__(self, cond_class: str, folder: str, tag, settings: dict, strength: float):
+        self.folder, self.tag, self.settings, self.strength = folder, tag, settings, strength
+        self.p = sampling_graph(cond_class, f"{folder}-{tag}")
+        self.saves: dict[str, str] = {}
+        self.reports: dict[str, str] = {}
+
+    def node(self, nid, class_type, **inputs) -> list:
+        assert nid not in self.p, nid
+        self.p[nid] = {"class_type": class_type, "inputs": inputs}
+        return [nid, 0]
+
+    def ksampler(self, nid, model):
+        self.node(nid, "KSampler", model=model, positive=["2", 0], negative=["3", 0], latent_image=["40", 0],
+                  denoise=1.0, **self.settings)
+        self.node(f"s{nid}", "SaveLatent", samples=[nid, 0], filename_prefix=f"it_{self.folder}/{nid}_{self.tag}")
+        self.saves[nid] = f"s{nid}"
+
+    def comfy_lora(self, nid, name):
+        m = self.node(f"L{nid}", "LoraLoaderModelOnly", model=["1", 0], lora_name=name, strength_model=self.strength)
+        self.ksampler(nid, m)
+
+    def ours(self, nid, name, mode, tier="exact"):
+        m = self.node(f"A{nid}", "LoraRuntimeLoadAdapter", model=["1", 0], lora_name=name, strength=self.strength)
+        m = self.node(f"M{nid}", "LoraRuntimeMergeMode", model=m, mode=mode)
+        m = self.node(f"Q{nid}", "LoraRuntimeQualityTier", model=m, tier=tier)
+        self.ksampler(nid, m)
+        self.node(f"R{nid}", "LoraRuntimeReport", model=m, latent=[nid, 0])
+        self.reports[nid] = f"R{nid}"
+
+
 def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
     """dB against ``ref``, peak = ``ref``'s value range; inf when equal."""
     a, ref = a.double(), ref.double()
