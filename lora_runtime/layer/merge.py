@@ -21,6 +21,7 @@ every restore; a mismatch raises RestoreError instead of continuing silently.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -196,7 +197,7 @@ def _check_finite(new: torch.Tensor, old: torch.Tensor, what: str, row0: int) ->
     """Raise where `new` (a merged chunk) is non-finite and `old` (its original) was finite.
     One min/max reduction in the common case (both propagate NaN and show an inf)."""
     lo, hi = torch.aminmax(new)
-    if bool(torch.isfinite(torch.stack((lo, hi))).all()):
+    if math.isfinite(lo.item()) and math.isfinite(hi.item()):
         return
     bad = (~torch.isfinite(new) & torch.isfinite(old.to(new.device))).nonzero()
     if bad.numel():
@@ -204,20 +205,27 @@ def _check_finite(new: torch.Tensor, old: torch.Tensor, what: str, row0: int) ->
 
 
 def _merge_keeping_copy(w: torch.Tensor, delta_rows: DeltaRows, what: str, chunk_bytes: int,
-                        fp: tuple[int, int]) -> RestoreRecord:
+                        fp: tuple[int, int], backup: torch.Tensor | None, scratch: bool) -> RestoreRecord:
     """Restore memory ``copy``: each chunk's original goes to the copy, then the merged bits
     (the same single rounding) are written and checked finite. Any failure part-way (a
-    non-finite value, an interrupt) puts the copy back over every chunk written."""
+    non-finite value, an interrupt) puts the copy back over every chunk written. `backup`:
+    a copy that already holds the weight's bits (kept by the restore just before), taken
+    as the record's copy instead of writing a new one. `scratch`: each delta chunk is the
+    caller's fresh tensor, so the sum is formed in it (no fp32 temporary per chunk)."""
     rows, cols = w.shape
-    full = torch.empty_like(w, device="cpu") if w.device.type != "cpu" else torch.empty_like(w)
+    full = backup
+    if full is None:
+        full = torch.empty_like(w, device="cpu") if w.device.type != "cpu" else torch.empty_like(w)
     done = 0    # rows whose original is in `full` (written or about to be)
     try:
         for sl in row_chunks(rows, cols, chunk_bytes):
             wc = w[sl]
             d = delta_rows(sl)
-            full[sl].copy_(wc)
+            if backup is None:
+                full[sl].copy_(wc)
             done = sl.stop
-            wc.copy_(torch.add(wc, d))   # fp32(wc) + d (exact promotion), rounded once by the copy
+            # fp32(wc) + d (exact promotion; addition commutes bit for bit), rounded once by the copy
+            wc.copy_(d.add_(wc) if scratch else torch.add(wc, d))
             _check_finite(wc, full[sl], what, sl.start)   # raising puts the copy back (below)
     except BaseException:
         w[:done].copy_(full[:done])
@@ -228,7 +236,8 @@ def _merge_keeping_copy(w: torch.Tensor, delta_rows: DeltaRows, what: str, chunk
 @torch.no_grad()
 def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
                  chunk_bytes: int | None = None, known_fingerprint: tuple[int, int] | None = None,
-                 keep_copy: bool = False) -> RestoreRecord:
+                 keep_copy: bool = False, backup: torch.Tensor | None = None,
+                 scratch_deltas: bool = False) -> RestoreRecord:
     """Fold the delta into `weight` in place; return what restores it bit for bit.
 
     One pass over row chunks: the delta is computed once per chunk, checked finite,
@@ -236,7 +245,12 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
     (a non-finite value, an interrupt) restores the chunks already written bit for bit
     before it propagates, so no weight is left modified. `known_fingerprint`: the
     weight's fingerprint when the caller has just verified it (skips one read).
-    `keep_copy`: keep a full copy instead of simulating the restore (restore memory ``copy``).
+    `keep_copy`: keep a full copy instead of simulating the restore (restore memory ``copy``);
+    `backup`: with `keep_copy`, a copy the caller knows holds the weight's current bits (the
+    copy a verified restore just wrote back, with `known_fingerprint`): it becomes the
+    record's copy, so a swap writes no second copy. `scratch_deltas`: every `delta_rows`
+    call returns a new tensor the merge may overwrite (the wrapper's do; see
+    `Update.delta`), which saves a temporary per chunk.
     """
     if weight.dtype not in _INT_VIEW:
         raise TypeError(f"{what}: cannot merge into dtype {weight.dtype}")
@@ -245,7 +259,9 @@ def merge_weight(weight: torch.Tensor, delta_rows: DeltaRows, *, what: str,
     chunk_bytes = chunk_bytes or chunk_bytes_for(w.device)
     fp = known_fingerprint if known_fingerprint is not None else fingerprint(w)
     if keep_copy:
-        return _merge_keeping_copy(w, delta_rows, what, chunk_bytes, fp)
+        if backup is not None and (backup.shape != w.shape or backup.dtype != w.dtype or known_fingerprint is None):
+            raise ValueError(f"{what}: a reused backup must be a verified copy of the weight's own shape and dtype")
+        return _merge_keeping_copy(w, delta_rows, what, chunk_bytes, fp, backup, scratch_deltas)
     idx_dtype = torch.int32 if w.numel() < 2**31 else torch.int64
     full_bytes = w.numel() * w.element_size()
     per_miss = torch.empty(0, dtype=idx_dtype).element_size() + w.element_size()

@@ -145,7 +145,7 @@ class LoraLinear(nn.Module):
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
         self._merged_names: tuple[str, ...] = ()
-        self._verified: tuple | None = None   # (fingerprint, weight identity) right after a restore
+        self._verified: tuple | None = None   # (fingerprint, weight identity[, full copy]) right after a restore
         self._stack_cache: dict = {}
         self._plan_cache: tuple | None = None
         self._plans: dict = {}                 # (context, device, dtype) -> call_plan.CallPlan
@@ -361,6 +361,8 @@ class LoraLinear(nn.Module):
         return lambda rows: self._delta_rows(w, rows, slots, fold)
 
     def _delta_rows(self, w: torch.Tensor, rows, slots: list[AdapterSlot], fold: bool) -> torch.Tensor:
+        """A new tensor on every call (the merge writes into it): the updates' deltas are new
+        tensors (`Update.delta`), a frozen delta is cloned."""
         out = None
         for s in slots:
             if s.frozen_delta is not None:
@@ -408,11 +410,15 @@ class LoraLinear(nn.Module):
             if s.update.needs_weight:
                 s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
         known, self._verified = self._verified, None
-        known_fp = known[0] if known is not None and known[1] == _identity(w) else None
+        if known is None or known[1] != _identity(w):
+            known = None
+        known_fp = known[0] if known is not None else None
+        backup = known[2] if known is not None and len(known) > 2 and self.restore_copy else None
         try:
             fold = self.merge_folds
             self._restore = merge_weight(w, self._chunk_deltas(w, slots, fold), what=self.layer_name,
-                                         known_fingerprint=known_fp, keep_copy=self.restore_copy)
+                                         known_fingerprint=known_fp, keep_copy=self.restore_copy, backup=backup,
+                                         scratch_deltas=True)
         except BaseException:
             for s in slots:
                 s.frozen_delta = None
@@ -426,20 +432,25 @@ class LoraLinear(nn.Module):
     def unmerge(self, remember: bool = False) -> None:
         """Restore the weight bit for bit (fingerprint-checked). `remember`: keep the verified
         fingerprint for the next `merge` of the same, untouched weight (a swap inside one
-        state transition; the caller drops it with `forget_verified` when the transition ends)."""
+        state transition; the caller drops it with `forget_verified` when the transition ends),
+        and a full copy the record kept, which then holds the weight's bits: a merge with
+        restore memory ``copy`` takes it as its own copy instead of writing a new one."""
         if not self.merged:
             return
         slots = [self.slots[n] for n in self._merged_names]
         w = self.weight2d
         fold = self._merged_folded
-        fp = restore_weight(w, self._restore, self._chunk_deltas(w, slots, fold), what=self.layer_name)
+        record = self._restore
+        fp = restore_weight(w, record, self._chunk_deltas(w, slots, fold), what=self.layer_name)
         for s in slots:
             s.merged = False
             s.frozen_delta = None
         self._restore = None
         self._merged_names = ()
         self._weight_changed()
-        self._verified = (fp, _identity(w)) if remember else None
+        self._verified = None
+        if remember:
+            self._verified = (fp, _identity(w)) if record.full is None else (fp, _identity(w), record.full)
 
     def forget_verified(self) -> None:
         self._verified = None

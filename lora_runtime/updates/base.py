@@ -3,7 +3,8 @@
 Contract (every update type answers the same questions; the layer never asks which type it has)
 - ``scale``: the type's own factor on its raw update (its scale rule); ``out_features`` /
   ``in_features``: the [out, in] weight it targets; ``check_module`` raises naming the stem.
-- ``delta(rows)``: the weight-space delta (times ``scale``, not times strength), fp32 or fp64.
+- ``delta(rows)``: the weight-space delta (times ``scale``, not times strength), fp32 or fp64,
+  a new tensor on every call (never a cache or a view of one: a merge writes into it).
 - ``forward(x, factor)``: the output delta for x, times ``scale`` and ``factor``, without the
   dense delta where the structure allows it.
 - ``stack()``: ``(A [r, in], B [out, r], scale)`` when the update is a plain low-rank pair that a

@@ -90,3 +90,55 @@ def test_copy_restore_refuses_a_recast_weight():
     rec = merge_weight(w, lambda r: d[r], what="layer.q", keep_copy=True)
     with pytest.raises(RestoreError, match="layer.q"):
         restore_weight(w.float(), rec, lambda r: d[r], what="layer.q")
+
+
+def test_a_copy_swap_takes_the_copy_the_restore_wrote_back():
+    """Restore then merge in one transition (a swap): the merge keeps the copy the restore
+    just verified instead of writing a new one, and writes the same bits as a fresh merge."""
+    w, fresh = _wrapped(rel=0.03), _wrapped(rel=0.03)
+    w.restore_copy = fresh.restore_copy = True
+    before = w.weight.detach().clone()
+    w.merge()
+    first = w._restore.full
+    w.unmerge(remember=True)
+    assert torch.equal(w.weight, before)
+    w.set_strength("a", 0.4)          # the swapped-in state: another delta
+    fresh.set_strength("a", 0.4)
+    w.merge()
+    fresh.merge()
+    assert w._restore.full is first                     # no second copy written
+    assert torch.equal(w.weight, fresh.weight)          # the same merge bits as without the reuse
+    assert not torch.equal(w.weight, before)
+    w.unmerge()
+    assert torch.equal(w.weight, before)
+    # without remember (not a swap) nothing is reused
+    w.merge()
+    second = w._restore.full
+    w.unmerge()
+    w.merge()
+    assert w._restore.full is not second
+    w.unmerge()
+    assert torch.equal(w.weight, before)
+
+
+def test_a_reused_copy_still_puts_everything_back_when_the_merge_fails_part_way():
+    w = torch.randn(300, 50).to(torch.bfloat16)
+    before = w.clone()
+    d1, d2 = torch.randn(300, 50) * 0.05, torch.randn(300, 50) * 0.05
+    rec = merge_weight(w, lambda r: d1[r], what="t", keep_copy=True)
+    fp = restore_weight(w, rec, lambda r: d1[r], what="t")
+    calls = []
+
+    def delta_rows(r):
+        calls.append(r)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return d2[r]
+
+    with pytest.raises(KeyboardInterrupt):
+        merge_weight(w, delta_rows, what="t", keep_copy=True, chunk_bytes=50 * 16 * 7,
+                     known_fingerprint=fp, backup=rec.full)
+    assert torch.equal(w, before) and torch.equal(rec.full, before)
+    with pytest.raises(ValueError, match="verified copy"):
+        merge_weight(w, lambda r: d2[r], what="t", keep_copy=True, backup=rec.full)  # no fingerprint: no proof
+    assert torch.equal(w, before)

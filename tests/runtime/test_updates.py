@@ -491,3 +491,33 @@ def test_tucker_with_singleton_kernel_dims_is_linear():
     q = loha_parts(True)
     q4 = dict(q, hada_t1=q["hada_t1"][:, :, None, None], hada_t2=q["hada_t2"][:, :, None, None])
     check(detect(q4, 2.0).delta(), detect(q, 2.0).delta().double(), 1e-7)
+
+
+# --- the merge's scratch -------------------------------------------------------------------------
+def _every_type():
+    parts, _, _ = lora_parts()
+    w = rnd(OUT, IN, seed=70) / IN ** 0.5
+    yield "lora", detect(parts, 2.0, stem="l"), None
+    yield "full", detect({"diff": rnd(OUT, IN, seed=71)}, None, stem="l"), None
+    yield "bias only", detect({"diff_b": rnd(OUT, seed=72)}, None, stem="l"), w
+    yield "loha", detect(loha_parts(False), 1.5, stem="l"), None
+    yield "lokr", detect(lokr_parts("fact", "fact"), 3.0, stem="l"), None
+    yield "dora", detect({**parts, "dora_scale": magnitude(w, "out", seed=73)[:, None]}, 2.0, stem="l"), w
+    half = detect(lora_parts(seed=74)[0], None, stem="l")
+    yield "sliced", V.Sliced([(0, OUT, half)], OUT, stem="l"), None
+
+
+@pytest.mark.parametrize("kind", ["lora", "full", "bias only", "loha", "lokr", "dora", "sliced"])
+@pytest.mark.parametrize("rows", [None, slice(3, 11), "index"])
+def test_delta_and_folded_delta_are_fresh_tensors_the_caller_may_write(kind, rows):
+    """A merge adds the weight into each chunk's delta in place (restore memory copy): every
+    type's delta(rows) / folded_delta(rows) must be a new tensor, never a cached one or a view
+    of one, so a second call gives the same values after the first was overwritten."""
+    _, v, w = next(t for t in _every_type() if t[0] == kind)
+    rows = torch.tensor([5, 0, 9]) if rows == "index" else rows
+    for make in (lambda: v.delta(rows=rows, weight=w), lambda: v.folded_delta("cpu", 0.7, rows, weight=w)):
+        first = make()
+        ref = first.clone()
+        first.add_(1000.0)
+        again = make()
+        assert torch.equal(again, ref)
