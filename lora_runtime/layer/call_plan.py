@@ -8,8 +8,10 @@ Contract
   tier gives the same bits; ``run`` None: the call adds nothing.
 - `build_trace_plan(lw)` (via `LoraLinear.prepare_trace`, after each state transition): what a
   compiled (traced) call reads: tensors only, the factors as fp32 0-d tensors (slot factor, and
-  the adapter's `AdapterCell` for the runtime factor and row mask). `traced_forward` uses it, or
-  the general path when there is none.
+  the adapter's `AdapterCell` for the runtime factor and row mask). stack() pairs ride as pairs;
+  every other update as its trace form (`updates.trace_forms`: LoKr, LoHa, full deltas, DoRA).
+  `traced_forward` uses it, or the general path when there is none (convolutions, a DoRA whose
+  base output the host patches per call).
 Design and numerics: docs/engine.md (call plans, torch.compile).
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 
 from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, per_rank, times
 from . import stacking
-from .base_weight import real_shape
+from ..updates.trace_forms import cast_form, form_out, needs_base_output
+from .base_weight import float_view, real_shape
 from .runtime_context import adapter_cell, current_context
 from .stacking import can_add_inplace, row_mask
 
@@ -172,12 +175,17 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
 
 # --- compiled calls --------------------------------------------------------------------------
 class TracePlan:
-    """Per live slot (A [r, in], B [out, r], slot factor fp32 0-d, AdapterCell), and per enabled
-    slot with an output offset (diff_b fp32 [out], strength fp32 0-d, AdapterCell), on `device`."""
-    __slots__ = ("device", "slots", "offsets", "layer")
+    """Per live stack() slot (A [r, in], B [out, r], slot factor fp32 0-d, AdapterCell); per other
+    live slot (trace-form kind, tensors, slot factor fp32 0-d, AdapterCell); per enabled slot
+    with an output offset (diff_b fp32 [out], strength fp32 0-d, AdapterCell), on `device`.
+    `base_bias`: what a form that reads the base output (DoRA) subtracts from the call's output
+    to get x Wᵀ (None: the layer has no bias); `needs_y0`: some form reads it."""
+    __slots__ = ("device", "slots", "offsets", "layer", "forms", "needs_y0", "base_bias")
 
-    def __init__(self, device, slots, layer, offsets=()):
+    def __init__(self, device, slots, layer, offsets=(), forms=(), base_bias=None):
         self.device, self.slots, self.offsets, self.layer = device, slots, offsets, layer
+        self.forms, self.base_bias = forms, base_bias
+        self.needs_y0 = any(needs_base_output(f[0]) for f in forms)
 
 
 def _trace_pair(s, device, dtype):
@@ -211,7 +219,8 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
     strength 0 (a factor of 0 then), so a strength change never changes what a trace reads; an
     output offset is added per call, merged or not (the merge writes the weight only). None
     (compiled calls take the general path, which reads the context and breaks the graph) when a
-    live slot is not made of stack() pairs (`_trace_pair`), or the layer is a convolution."""
+    live slot has neither a stack() pair (`_trace_pair`) nor a trace form, a form reads the base
+    output and the host patches the weight or bias per call, or the layer is a convolution."""
     enabled = [s for s in lw.slots.values() if s.enabled]
     live = [s for s in enabled if not s.merged and s.has_weight_delta]
     offs = [s for s in enabled if s.update.diff_b is not None]
@@ -223,28 +232,55 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
     if w is None or w.is_meta:
         return None
     device = w.device
-    slots = []
+    slots, forms = [], []
     for s in live:
         # the weight's dtype when it is a compute dtype (the usual case: the eager path's copy is
         # shared), else (fp8/int weights cast per call) the adapter's own; a traced call casts to x's
         pair = _trace_pair(s, device, w.dtype if w.dtype in _COMPUTE else None)
-        if pair is None:
+        if pair is not None:
+            slots.append((*pair, adapter_cell(s.name, device)))
+            continue
+        form = s.update.trace_form(device, w.dtype if w.dtype in _COMPUTE else torch.float32,
+                                   weight=lw.dense_weight if s.update.needs_weight else None)
+        if form is None:
             return None
-        slots.append((*pair, adapter_cell(s.name, device)))
+        kind, tensors, scale = form
+        k = torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
+        forms.append((kind, tensors, k, adapter_cell(s.name, device)))
+    base_bias = None
+    if any(needs_base_output(f[0]) for f in forms):
+        base = lw.get_base_layer()
+        if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
+            return None  # the base output is not x Wᵀ + b of the stored tensors
+        if lw.bias is not None:
+            base_bias = float_view(lw.bias)
+            if base_bias is None:
+                return None  # a packed bias
     offsets = tuple((s.update.bias_delta(device, torch.float32),
                      torch.tensor(float(s.strength), dtype=torch.float32, device=device),
                      adapter_cell(s.name, device)) for s in offs)
-    return TracePlan(device, tuple(slots), lw.layer_name, offsets)
+    return TracePlan(device, tuple(slots), lw.layer_name, offsets, tuple(forms), base_bias)
 
 
 def traced_forward(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A compiled call: y + sum_i ((x A_i^T) * k_i * c_i [* row mask_i]) B_i^T + sum_j diff_b_j *
-    strength_j * c_j [* row mask_j], every factor an fp32 tensor read from the trace plan (in
-    place updates never re-trace)."""
+    """A compiled call: y + sum_i ((x A_i^T) * k_i * c_i [* row mask_i]) B_i^T + sum_f form_f(x) *
+    k_f * c_f [* row mask_f] + sum_j diff_b_j * strength_j * c_j [* row mask_j], every factor an
+    fp32 tensor read from the trace plan (in place updates never re-trace)."""
     tp = lw._trace_plan
     if tp is None or (tp.device is not None and tp.device != x.device):
         ctx = current_context()
         return lw._forward_general(x, y, ctx, *lw._call_selection(ctx))
+    y0 = None
+    if tp.needs_y0:  # x Wᵀ, read off the base output before anything is added to it
+        y0 = y if tp.base_bias is None else y - tp.base_bias.to(y.dtype)
+    for kind, t, k, cell in tp.forms:
+        if t[0].dtype != x.dtype:
+            t = cast_form(kind, t, x.dtype)
+        o = form_out(kind, t, x, y0)
+        o = (o.float() * (k * cell.factor)).to(o.dtype)
+        if cell.mask is not None:
+            o = o * row_mask(cell.mask, o, tp.layer)
+        y = y + o
     for a, b, k, cell in tp.slots:
         if a.dtype != x.dtype:
             a, b = a.to(x.dtype), b.to(x.dtype)

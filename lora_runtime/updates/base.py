@@ -9,6 +9,8 @@ Contract (every update type answers the same questions; the layer never asks whi
   dense delta where the structure allows it.
 - ``stack()``: ``(A [r, in], B [out, r], scale)`` when the update is a plain low-rank pair that a
   stacked GEMM or a fused kernel can take (every rank carries ``scale``), else None.
+- ``trace_form(device, dtype, weight)``: ``(kind, tensors, scale)`` a compiled call evaluates with
+  `trace_forms.form_out` (times ``scale``: ``forward(x, 1.0)``), or None.
 - Factors are multiplied in `..scaling` only (a unit factor is never multiplied).
 The accepted key names and the scale rules are in docs/engine.md.
 """
@@ -144,6 +146,12 @@ class Update(abc.ABC):
     def stack(self, device=None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, float] | None:
         """(A [r, in], B [out, r], scale on each rank) for a stacked GEMM or a fused kernel, or None
         when the update is not a plain low-rank pair. Without `device`/`dtype`: the stored tensors."""
+        return None
+
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None) -> tuple[str, tuple, float] | None:
+        """(kind, tensors on `device` in `dtype`, scale) such that ``trace_forms.form_out(kind,
+        tensors, x, y0) * scale`` is ``forward(x, 1.0, y0, include_bias=False)``; built outside
+        any trace. None: the type has no such form (a compiled call takes the general path)."""
         return None
 
     def swapped_halves(self) -> "Update | None":

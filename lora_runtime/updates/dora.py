@@ -234,6 +234,21 @@ class DoRA(Update):
         `base_out_nobias` (= x W^T, no bias) saves a GEMM on the per-row path."""
         return super().forward(x, factor, base_out_nobias, weight, include_bias=include_bias)
 
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        """Axis "out": the per-row form, g = m / norm from `weight` (the call's base weight) and
+        the inner update's own form; axis "in": the full-strength dense delta. None when the
+        inner update has no form."""
+        weight = self._check_weight(weight)
+        if self.axis == "out":
+            inner = self.inner.trace_form(device, dtype)
+            if inner is None:
+                return None
+            ik, it, iscale = inner
+            g = self.magnitude_over_norm(weight).to(device=device, dtype=dtype)
+            return "dora", (g, ik, it, torch.tensor(float(iscale), dtype=torch.float32, device=device)), 1.0
+        d = self._dora_delta(as_device(device), compute_dtype(dtype), None, weight, None).to(dtype)
+        return "dense", (d,), 1.0
+
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         weight = self._check_weight(weight)
         if factor == 0.0:

@@ -62,6 +62,9 @@ class Full(Update):
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         return times(F.linear(x, self._on(x.device, x.dtype, "diff", lambda: self.diff)), factor)
 
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        return "dense", (self._on(device, dtype, "diff", lambda: self.diff),), 1.0
+
 
 class BiasOnly(Update):
     """Only a ``diff_b`` output offset: no weight delta. `in_features` is unknown until

@@ -137,25 +137,43 @@ class LoHa(Update):
         """Rank of the factorised form of the update: k1 * k2."""
         return int(self.w1b.shape[0]) * int(self.w2b.shape[0])
 
-    def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
+    @property
+    def _low_rank(self) -> bool:
+        """Is the rank-k1*k2 form cheaper than the dense delta?"""
         o, i = self.out_features, self.in_features
-        k = self.hadamard_rank
-        if k * (o + i) < o * i:
-            # (L1 R1) ⊙ (L2 R2) = U Z with U[o,(p,q)] = L1[o,p] L2[o,q] and Z[(p,q),j] = R1[p,j] R2[q,j]
-            # (row-wise Khatri-Rao products): a rank-k1*k2 LoRA, no dense [out, in] delta.
-            key = ("kr", str(x.device), x.dtype)
-            uz = self._cache.get(key)
-            if uz is None:
-                ct = compute_dtype(x.dtype)
-                (l1, r1), (l2, r2) = self._pair(1, x.device, ct), self._pair(2, x.device, ct)
-                u = (l1.unsqueeze(2) * l2.unsqueeze(1)).reshape(o, k)
-                z = (r1.unsqueeze(1) * r2.unsqueeze(0)).reshape(k, i)
-                uz = self._cache[key] = (u.to(x.dtype).contiguous(), z.to(x.dtype).contiguous())
-            u, z = uz
-            h = times(F.linear(x, z), combined_factor(self.scale, factor))
-            return F.linear(h, u)
-        key = ("dense", str(x.device), x.dtype)
+        return self.hadamard_rank * (o + i) < o * i
+
+    def _kr(self, device, dtype) -> tuple[Tensor, Tensor]:
+        """(U [out, k], Z [k, in]), unscaled, cached: (L1 R1) ⊙ (L2 R2) = U Z with
+        U[o,(p,q)] = L1[o,p] L2[o,q] and Z[(p,q),j] = R1[p,j] R2[q,j] (row-wise Khatri-Rao
+        products): a rank-k1*k2 LoRA, no dense [out, in] delta."""
+        key = ("kr", str(device), dtype)
+        uz = self._cache.get(key)
+        if uz is None:
+            o, i, k, ct = self.out_features, self.in_features, self.hadamard_rank, compute_dtype(dtype)
+            (l1, r1), (l2, r2) = self._pair(1, device, ct), self._pair(2, device, ct)
+            u = (l1.unsqueeze(2) * l2.unsqueeze(1)).reshape(o, k)
+            z = (r1.unsqueeze(1) * r2.unsqueeze(0)).reshape(k, i)
+            uz = self._cache[key] = (u.to(dtype).contiguous(), z.to(dtype).contiguous())
+        return uz
+
+    def _dense(self, device, dtype) -> Tensor:
+        """The dense delta (times scale) in `dtype`, cached."""
+        key = ("dense", str(device), dtype)
         d = self._cache.get(key)
         if d is None:
-            d = self._cache[key] = self._delta(x.device, compute_dtype(x.dtype), None, None).to(x.dtype)
-        return times(F.linear(x, d), factor)
+            d = self._cache[key] = self._delta(device, compute_dtype(dtype), None, None).to(dtype)
+        return d
+
+    def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
+        if self._low_rank:
+            u, z = self._kr(x.device, x.dtype)
+            h = times(F.linear(x, z), combined_factor(self.scale, factor))
+            return F.linear(h, u)
+        return times(F.linear(x, self._dense(x.device, x.dtype)), factor)
+
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        if self._low_rank:
+            u, z = self._kr(device, dtype)
+            return "pair", (z, u), self.scale
+        return "dense", (self._dense(device, dtype),), 1.0

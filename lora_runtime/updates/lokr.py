@@ -163,6 +163,13 @@ class LoKr(Update):
         block = w1[p].unsqueeze(2) * w2[q].unsqueeze(1)  # [n, b, d]
         return times(block.reshape(idx.numel(), -1), self.scale, inplace=True)
 
+    def _w2_factored(self) -> bool:
+        """Run w2 = w2_a w2_b as two thin GEMMs (under half the dense product's flops)?"""
+        if self.w2 is not None or self.t2 is not None:
+            return False
+        r, (c, d) = int(self.w2_b.shape[0]), self.w2_shape
+        return 2 * r * (c + d) < c * d
+
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         w1, w2 = self.kron_factors(x.device, x.dtype)
         w1 = times(w1, combined_factor(self.scale, factor))  # the smaller factor
@@ -171,12 +178,17 @@ class LoKr(Update):
         # mix over w1 first, on the input-sized [..., b, d] -> [..., a, d] (cheap), so the only
         # output-sized tensor is the final one: y[..., p, :] = (sum_j w1[p, j] X[..., j, :]) w2^T
         u = torch.matmul(w1, xv)
-        r = None if self.w2 is not None or self.t2 is not None else int(self.w2_b.shape[0])
-        if r is not None and 2 * r * (w2.shape[0] + d) < w2.shape[0] * d:
-            # factorised w2 = w2_a w2_b: two thin GEMMs at under half the dense product's flops
+        if self._w2_factored():
             w2a = self._on(x.device, x.dtype, "w2_a", lambda: self.w2_a)
             w2b = self._on(x.device, x.dtype, "w2_b", lambda: self.w2_b)
             y = F.linear(F.linear(u, w2b), w2a)
         else:
             y = F.linear(u, w2)  # [..., a, c]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        w1, w2 = self.kron_factors(device, dtype)
+        if self._w2_factored():
+            return "kron2", (w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
+                             self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
+        return "kron", (w1, w2), self.scale

@@ -97,6 +97,10 @@ class LoRA(Update):
             up = up[rows_on(rows, device)]
         return times(up @ down, self.scale, inplace=True)
 
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        down, up = self.factors(device, dtype)
+        return "pair", (down, up), self.scale
+
     def folded_delta(self, device, factor: float, rows=None, *, weight: Tensor | None = None) -> Tensor:
         """``(up @ down) * (scale * factor)``: one pass over the delta with the fp64 product of the
         factors (ComfyUI's `calculate_weight` order, so a lossless merge writes its bits), not

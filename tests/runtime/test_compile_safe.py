@@ -265,8 +265,117 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
         w.detach()
 
 
+def _other_update(kind, weight):
+    """An update of a [24, 16] Linear that is not a stack() pair, by the trace form it takes."""
+    from comfyui_lora_runtime.lora_runtime import updates as U
+    from testkit.fixtures import lora_pair
+
+    g = torch.Generator().manual_seed(11)
+
+    def r(*shape, s=0.3):
+        return torch.randn(*shape, generator=g) * s
+    if kind == "lokr (kron)":       # w1 [4, 2] x w2 [6, 8] = [24, 16]
+        return U.LoKr(w1=r(4, 2, s=1.0), w2=r(6, 8), alpha=None)
+    if kind == "lokr (kron2)":      # w2 = w2_a w2_b kept factorised (rank 1)
+        return U.LoKr(w1=r(4, 2, s=1.0), w2_a=r(6, 1), w2_b=r(1, 8), alpha=0.5)
+    if kind == "loha (pair)":       # rank 2 x 2: the Khatri-Rao pair
+        return U.LoHa(r(24, 2), r(2, 16), r(24, 2), r(2, 16), alpha=1.5)
+    if kind == "loha (dense)":      # rank 4 x 3 = 12: the dense delta is cheaper
+        return U.LoHa(r(24, 4), r(4, 16), r(24, 3), r(3, 16), alpha=6.0)
+    if kind == "full":
+        return U.Full(r(24, 16, s=0.1))
+    down, up = lora_pair(24, 16, 4, 1, scale=0.3)
+    if kind == "dora out (lora)":
+        return U.DoRA(U.LoRA(down, up, 4.0), weight.norm(dim=1) * 1.2)
+    if kind == "dora out (lokr)":
+        return U.DoRA(U.LoKr(w1=r(4, 2, s=1.0), w2=r(6, 8), alpha=None), weight.norm(dim=1) * 0.9)
+    if kind == "dora in (lora)":
+        return U.DoRA(U.LoRA(down, up, 4.0), weight.norm(dim=0)[None, :] * 1.1)
+    raise AssertionError(kind)
+
+
+FORM_OF = {"lokr (kron)": "kron", "lokr (kron2)": "kron2", "loha (pair)": "pair", "loha (dense)": "dense",
+           "full": "dense", "dora out (lora)": "dora", "dora out (lokr)": "dora", "dora in (lora)": "dense"}
+OTHER = list(FORM_OF)
+
+
+@pytest.mark.parametrize("kind", OTHER)
+def test_compile_other_update_types_ride_in_the_trace_plan(kind):
+    """LoKr, LoHa, full deltas and DoRA trace as their forms (updates/trace_forms.py): one graph over
+    strength changes, both tiers and a CFG row mask's values; the compiled output equals eager's and
+    is far from the adapter-off output (a dropped form fails)."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+
+    torch._dynamo.reset()   # eight kinds x two graphs on one code object: past dynamo's recompile limit
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    v = _other_update(kind, lin.weight.detach())
+    v.check_module(24, 16)
+    w = LoraLinear(lin, "l")
+    w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
+    w.attach()
+    graphs, counting = _graph_counter()
+    try:
+        w.prepare_trace()
+        tp = w._trace_plan
+        assert tp is not None and not tp.slots and len(tp.forms) == 1
+        assert tp.forms[0][0] == FORM_OF[kind]
+        cf = torch.compile(lin, backend=counting, dynamic=False)
+        x = torch.randn(2, 3, 16)
+        with torch.no_grad():
+            base = F.linear(x, lin.weight, lin.bias)
+            for st in (0.8, -0.4, 1.7):
+                w.set_strength("a", st)
+                for tier in ("lossless", "exact"):
+                    with runtime_context(tier=tier):
+                        got, want = cf(x), lin(x)
+                    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                    assert (got - base).abs().max() > 1e-2
+            assert len(graphs) == 1, f"{len(graphs)} graphs for 3 strengths and 2 tiers"
+            for mask in ([0.0, 1.0], [1.0, 0.0]):   # a mask appearing: one more graph (documented)
+                with runtime_context(tier="lossless", adapters={"a": (0.5, torch.tensor(mask))}):
+                    got, want = cf(x), lin(x)
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+                off = 0 if mask[0] == 0.0 else 1     # the masked-off batch row is base
+                torch.testing.assert_close(got[off], base[off], rtol=0, atol=0)
+                assert (got[1 - off] - base[1 - off]).abs().max() > 1e-2
+            assert len(graphs) == 2, f"{len(graphs)} graphs: a mask value change recompiled"
+    finally:
+        w.detach()
+
+
+def test_compile_trace_forms_match_eager_in_bf16():
+    """bf16 (the usual weight dtype): every form within bf16 rounding of the eager output."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+
+    for kind in OTHER:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(16, 24).to(torch.bfloat16)
+        v = _other_update(kind, lin.weight.detach().float())
+        w = LoraLinear(lin, "l")
+        w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
+        w.attach()
+        try:
+            w.prepare_trace()
+            assert w._trace_plan.forms[0][1][0].dtype == torch.bfloat16
+            cf = torch.compile(lin, backend="eager", dynamic=False)
+            x = torch.randn(2, 3, 16).to(torch.bfloat16)
+            with torch.no_grad(), runtime_context(tier="lossless"):
+                got, want = cf(x), lin(x)
+                base = F.linear(x, lin.weight, lin.bias)
+            # a few bf16 roundings apart (the factor lands on another intermediate) on outputs of O(1)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=kind)
+            assert (got.float() - base.float()).abs().max() > 5e-2, kind
+        finally:
+            w.detach()
+
+
 def test_compile_layers_without_a_trace_plan_stay_correct():
-    """A live slot without a stack() pair (DoRA) has no trace plan: the compiled call takes the
+    """A DoRA on a layer whose host patches the weight per call (ComfyUI ``weight_function``) has no
+    trace plan: its base output is not x Wᵀ + b of the stored tensors. The compiled call takes the
     general path (it reads the context: a graph break) and is still correct."""
     from comfyui_lora_runtime.lora_runtime import LoraLinear
     from comfyui_lora_runtime.lora_runtime import updates as U
@@ -275,6 +384,8 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
+    lin.weight_function = []   # ComfyUI's per-call patch list: present, empty here
+    lin.bias_function = [lambda b: b * 1.0]
     w = LoraLinear(lin, "l")
     down, up = lora_pair(24, 16, 4, 1, scale=0.3)
     v = U.DoRA(U.LoRA(down, up, 4.0), lin.weight.detach().norm(dim=1) * 1.2)

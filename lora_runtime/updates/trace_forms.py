@@ -1,0 +1,54 @@
+"""Trace forms: an update's output as a few tensor ops a compiled (traced) call can run.
+
+Contract
+- An update's ``trace_form(device, dtype)`` gives ``(kind, tensors, scale)`` or None, built
+  outside any trace (casts and dense caches happen there). ``form_out(kind, tensors, x, y0)
+  * scale`` equals the update's ``forward(x, 1.0, y0, include_bias=False)`` up to rounding
+  (the strength and runtime factor are the caller's, applied as fp32 tensors).
+- Kinds: ``dense`` (d [out, in]): x dᵀ. ``pair`` (a [k, in], b [out, k]): (x aᵀ) bᵀ.
+  ``kron`` (w1 [p, q], w2 [c, d]): x through kron(w1, w2) without forming it; ``kron2``
+  (w1, w2a [c, r], w2b [r, d]): the same with w2 = w2a w2b kept factorised. ``dora``
+  (g [out], inner kind, inner tensors, inner scale as an fp32 0-d tensor): the per-row DoRA
+  output (g - 1) * y0 + g * inner(x), y0 = x Wᵀ (the base output without bias).
+- Only tensor ops on the arguments: no caches, no Python state, no data-dependent branches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KINDS = ("dense", "pair", "kron", "kron2", "dora")
+
+
+def cast_form(kind: str, tensors: tuple, dtype: torch.dtype) -> tuple:
+    """`tensors` with every matrix in `dtype` (a dora form's fp32 inner scale stays fp32)."""
+    if kind == "dora":
+        g, ik, it, iscale = tensors
+        return g.to(dtype), ik, cast_form(ik, it, dtype), iscale
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def needs_base_output(kind: str) -> bool:
+    return kind == "dora"
+
+
+def form_out(kind: str, t: tuple, x: Tensor, y0: Tensor | None = None) -> Tensor:
+    """The form's output for x [..., in] (see the module contract), in x's dtype."""
+    if kind == "dense":
+        return F.linear(x, t[0])
+    if kind == "pair":
+        return F.linear(F.linear(x, t[0]), t[1])
+    if kind in ("kron", "kron2"):
+        w1 = t[0]
+        q = w1.shape[1]
+        lead = x.shape[:-1]
+        u = torch.matmul(w1, x.reshape(*lead, q, x.shape[-1] // q))   # [..., p, d]: mix over w1 first
+        y = F.linear(u, t[1]) if kind == "kron" else F.linear(F.linear(u, t[2]), t[1])
+        return y.reshape(*lead, -1)
+    if kind == "dora":
+        g, ik, it, iscale = t
+        inner = form_out(ik, it, x)
+        inner = (inner.float() * iscale).to(inner.dtype)
+        return (g - 1) * y0 + g * inner
+    raise ValueError(f"unknown trace form {kind!r}")
