@@ -246,8 +246,15 @@ class DoRA(Update):
             ik, it, iscale = inner
             g = self.magnitude_over_norm(weight).to(device=device, dtype=dtype)
             return "dora", (g, ik, it, torch.tensor(float(iscale), dtype=torch.float32, device=device)), 1.0
-        d = self._dora_delta(as_device(device), compute_dtype(dtype), None, weight, None).to(dtype)
-        return "dense", (d,), 1.0
+        return "dense", (self._dense(weight, as_device(device), dtype),), 1.0
+
+    def _dense(self, weight: Tensor, device, dtype: torch.dtype) -> Tensor:
+        """The full-strength dense delta in `dtype` (axis "in"), cached per base weight."""
+        key = ("dense", weight_key(weight), str(device), dtype)
+        d = self._cache.get(key)
+        if d is None:
+            d = self._remember(key, self._dora_delta(device, compute_dtype(dtype), None, weight, None).to(dtype))
+        return d
 
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         weight = self._check_weight(weight)
@@ -258,10 +265,5 @@ class DoRA(Update):
             y0 = base_out_nobias if base_out_nobias is not None else F.linear(x, weight.to(x.device, x.dtype))
             y = (g - 1) * y0 + g * self.inner._forward(x, 1.0, None, None)
         else:
-            key = ("dense", weight_key(weight), str(x.device), x.dtype)
-            d = self._cache.get(key)
-            if d is None:
-                d = self._remember(key, self._dora_delta(x.device, compute_dtype(x.dtype), None, weight,
-                                                         None).to(x.dtype))
-            y = F.linear(x, d)
+            y = F.linear(x, self._dense(weight, x.device, x.dtype))
         return times(y, factor)

@@ -2,15 +2,19 @@
 
 One compile, then two strength changes: each prompt re-runs our loader and TorchCompileModel (a new
 MODEL clone, a new compiled wrapper), and the report of the compiled KSampler says how many graphs
-torch.compile built during that sampling: some the first time, none after a strength change. Each
+torch.compile built during that sampling: some the first time, none after a strength change. The
+same for a LoKr and a per-row DoRA file (their trace forms), not only plain LoRA. Each
 compiled latent matches the uncompiled KSampler of the same prompt (PSNR: inductor fuses and
 reorders the DiT's float ops) and differs from the no-adapter latent."""
 from __future__ import annotations
 
 import pytest
 
-from test_any_sampler_real import (LORA_A, Prompt, assert_changed, assert_psnr, assets, cond_class,  # noqa: F401
+from test_any_sampler_real import (LORA_A, MODEL, Prompt, assert_changed, assert_psnr, assets, cond_class,  # noqa: F401
                                    fresh, latent_of, no_adapter, reports_sent)
+from testkit.lora_assets import write_variant_file
+
+VARIANTS = {"lokr_w1_w2ab": "it_compile/lokr.safetensors", "dora_out": "it_compile/dora_out.safetensors"}
 
 STRENGTHS = (1.0, 0.5, 1.5)
 COMPILE_TIMEOUT = 1800.0  # inductor's first CPU compile of the DiT: minutes, more on a busy machine
@@ -22,10 +26,17 @@ def _report_of(record, node):
     return reps[-1]
 
 
-def test_torch_compile_model_after_our_loader_does_not_recompile(assets, cond_class, no_adapter):  # noqa: F811
+@pytest.mark.parametrize("adapter", ["lora", *VARIANTS])
+def test_torch_compile_model_after_our_loader_does_not_recompile(assets, reference, cond_class, no_adapter,  # noqa: F811
+                                                                 adapter):
+    name = LORA_A
+    if adapter in VARIANTS:
+        name = VARIANTS[adapter]
+        (assets.loras_dir / name).parent.mkdir(exist_ok=True)
+        write_variant_file(assets.loras_dir / name, adapter, seed=1700, model_path=reference / MODEL)
     for i, strength in enumerate(STRENGTHS):
         p = Prompt(cond_class)
-        m = p.ours(["1", 0], [(LORA_A, strength)], "dynamic", "lossless")
+        m = p.ours(["1", 0], [(name, strength)], "dynamic", "lossless")
         compiled = p.node("30", "TorchCompileModel", model=m, backend="inductor")
         p.ksampler("5", compiled)
         p.ksampler("6", m)
