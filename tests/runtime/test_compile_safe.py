@@ -223,13 +223,41 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
         w.detach()
 
 
+def _attached(lin, v, strength=0.8):
+    """`lin` wrapped and attached, with update `v` as slot "a" (its shapes checked first)."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+
+    v.check_module(lin.out_features, lin.in_features)
+    w = LoraLinear(lin, "l")
+    w.add_adapter("a", LayerAdapter("l", update=v), strength)
+    w.attach()
+    return w
+
+
+def _far(got, base):
+    assert (got - base).abs().max() > 1e-2
+
+
+def _strengths_and_tiers(w, lin, cf, x, differs):
+    """Slot "a" at three strengths, each under lossless and exact: the compiled call `cf` equals the
+    eager one, and `differs(got, base)` asserts it is not the adapter-off output. Returns that."""
+    base = F.linear(x, lin.weight, lin.bias)
+    for st in (0.8, -0.4, 1.7):
+        w.set_strength("a", st)
+        for tier in ("lossless", "exact"):
+            with runtime_context(tier=tier):
+                got, want = cf(x), lin(x)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            differs(got, base)
+    return base
+
+
 def test_compile_sliced_updates_ride_in_the_trace_plan():
     """A sliced update (Flux to_q/to_k/to_v onto one qkv weight) traces as one pair: its parts'
     A's stacked, their B's in their row blocks, a per-rank factor; one graph over strength changes,
     the compiled output equal to eager and the uncovered rows left at base."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
     from comfyui_lora_runtime.lora_runtime import updates as U
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 30)
@@ -238,10 +266,7 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
     def lora(out, r, alpha):
         return U.LoRA(torch.randn(r, 16, generator=g) * 0.3, torch.randn(out, r, generator=g) * 0.3, alpha)
     v = U.Sliced([(0, 10, lora(10, 4, 2.0)), (10, 20, lora(10, 2, None)), (24, 30, lora(6, 3, 1.5))], 30)
-    v.check_module(30, 16)
-    w = LoraLinear(lin, "l")
-    w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
-    w.attach()
+    w = _attached(lin, v)
     graphs, counting = _graph_counter()
 
     try:
@@ -250,16 +275,11 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
-            base = F.linear(x, lin.weight, lin.bias)
-            for st in (0.8, -0.4, 1.7):
-                w.set_strength("a", st)
-                for tier in ("lossless", "exact"):
-                    with runtime_context(tier=tier):
-                        got, want = cf(x), lin(x)
-                    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-                    assert (got[..., :20] - base[..., :20]).abs().max() > 1e-2
-                    assert (got[..., 24:] - base[..., 24:]).abs().max() > 1e-2
-                    torch.testing.assert_close(got[..., 20:24], base[..., 20:24], rtol=0, atol=0)
+            def far_where_covered(got, base):
+                assert (got[..., :20] - base[..., :20]).abs().max() > 1e-2
+                assert (got[..., 24:] - base[..., 24:]).abs().max() > 1e-2
+                torch.testing.assert_close(got[..., 20:24], base[..., 20:24], rtol=0, atol=0)
+            _strengths_and_tiers(w, lin, cf, x, far_where_covered)
         assert len(graphs) == 1, f"{len(graphs)} graphs for 3 strengths and 2 tiers"
     finally:
         w.detach()
@@ -304,17 +324,11 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
     """LoKr, LoHa, full deltas and DoRA trace as their forms (updates/trace_forms.py): one graph over
     strength changes, both tiers and a CFG row mask's values; the compiled output equals eager's and
     is far from the adapter-off output (a dropped form fails)."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
-
     torch._dynamo.reset()   # eight kinds x two graphs on one code object: past dynamo's recompile limit
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
     v = _other_update(kind, lin.weight.detach())
-    v.check_module(24, 16)
-    w = LoraLinear(lin, "l")
-    w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
-    w.attach()
+    w = _attached(lin, v)
     graphs, counting = _graph_counter()
     try:
         w.prepare_trace()
@@ -324,14 +338,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
-            base = F.linear(x, lin.weight, lin.bias)
-            for st in (0.8, -0.4, 1.7):
-                w.set_strength("a", st)
-                for tier in ("lossless", "exact"):
-                    with runtime_context(tier=tier):
-                        got, want = cf(x), lin(x)
-                    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-                    assert (got - base).abs().max() > 1e-2
+            base = _strengths_and_tiers(w, lin, cf, x, _far)
             assert len(graphs) == 1, f"{len(graphs)} graphs for 3 strengths and 2 tiers"
             for mask in ([0.0, 1.0], [1.0, 0.0]):   # a mask appearing: one more graph (documented)
                 with runtime_context(tier="lossless", adapters={"a": (0.5, torch.tensor(mask))}):
@@ -347,17 +354,13 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
 
 def test_compile_trace_forms_match_eager_in_bf16():
     """bf16 (the usual weight dtype): every form within bf16 rounding of the eager output."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
     for kind in OTHER:
         torch._dynamo.reset()
         torch.manual_seed(0)
         lin = torch.nn.Linear(16, 24).to(torch.bfloat16)
         v = _other_update(kind, lin.weight.detach().float())
-        w = LoraLinear(lin, "l")
-        w.add_adapter("a", LayerAdapter("l", update=v), 0.8)
-        w.attach()
+        w = _attached(lin, v)
         try:
             w.prepare_trace()
             assert w._trace_plan.forms[0][1][0].dtype == torch.bfloat16
