@@ -354,7 +354,6 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
 
 def test_compile_trace_forms_match_eager_in_bf16():
     """bf16 (the usual weight dtype): every form within bf16 rounding of the eager output."""
-
     for kind in OTHER:
         torch._dynamo.reset()
         torch.manual_seed(0)
