@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, per_rank, times
 from . import stacking
 from ..updates.trace_forms import cast_form, form_out, needs_base_output
-from .base_weight import float_view, real_shape
+from .base_weight import real_shape
 from .runtime_context import adapter_cell, current_context
 from .stacking import can_add_inplace, row_mask
 
@@ -249,13 +249,9 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
         forms.append((kind, tensors, k, adapter_cell(s.name, device)))
     base_bias = None
     if any(needs_base_output(f[0]) for f in forms):
-        base = lw.get_base_layer()
-        if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
-            return None  # the base output is not x Wᵀ + b of the stored tensors
-        if lw.bias is not None:
-            base_bias = float_view(lw.bias)
-            if base_bias is None:
-                return None  # a packed bias
+        ok, base_bias = lw.base_bias_to_subtract()
+        if not ok:
+            return None
     offsets = tuple((s.update.bias_delta(device, torch.float32),
                      torch.tensor(float(s.strength), dtype=torch.float32, device=device),
                      adapter_cell(s.name, device)) for s in offs)

@@ -541,17 +541,25 @@ class LoraLinear(nn.Module):
             y = y + (off if mask is None else times(off, row_mask(mask, y, self.layer_name)))
         return y
 
-    def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
-        """x W^T read off the base output, or None when the host patches the weight or bias
-        per call (ComfyUI ``weight_function`` / ``bias_function``): then it is recomputed."""
+    def base_bias_to_subtract(self) -> tuple[bool, torch.Tensor | None]:
+        """How x W^T is read off the base output: (True, None) it is the output (no bias),
+        (True, b) the output minus b, (False, None) it cannot be: the host patches the weight or
+        bias per call (ComfyUI ``weight_function`` / ``bias_function``) or the bias is packed."""
         base = self.get_base_layer()
         if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
-            return None
+            return False, None
         b = self.bias
         if b is None:
-            return y
+            return True, None
         fb = float_view(b)
-        return None if fb is None else y - fb.to(y.device, y.dtype)  # a packed bias: recomputed
+        return fb is not None, fb
+
+    def _base_out_nobias(self, y: torch.Tensor) -> torch.Tensor | None:
+        """x W^T read off the base output, or None (`base_bias_to_subtract`): then it is recomputed."""
+        ok, fb = self.base_bias_to_subtract()
+        if not ok:
+            return None
+        return y if fb is None else y - fb.to(y.device, y.dtype)
 
     def _slot_delta(self, x: torch.Tensor, s: AdapterSlot, rs: float, ctx, y0=None) -> torch.Tensor:
         """One slot's output delta (no diff_b). An update with a `stack()` pair, in `exact`:
