@@ -236,8 +236,10 @@ STATES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["merge", "dynamic"])
-def test_state_transitions_equal_fresh_application(files, mode):
+@pytest.mark.parametrize("mode,restore", [("merge", "lean"), ("merge", "copy"), ("dynamic", "lean")])
+def test_state_transitions_equal_fresh_application(files, mode, restore):
+    """Every state after every state equals a fresh application of it (and the model comes back
+    bit for bit); with restore memory copy each swap's merge takes the copy its restore wrote back."""
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     specs = {k: [AdapterSpec(str(files[f]), s) for f, s in v] for k, v in STATES.items()}
     fresh = {}
@@ -254,7 +256,7 @@ def test_state_transitions_equal_fresh_application(files, mode):
     model = TinyWanLike(dtype=torch.bfloat16)
     snap = _snapshot(model)
     inj = LoraInjector(model)
-    plans = {k: plan(model, sp, mode, "exact") for k, sp in specs.items()}
+    plans = {k: plan(model, sp, mode, "exact", restore=restore) for k, sp in specs.items()}
     for a, b in itertools.product(specs, specs):
         inj.apply(plans[a])
         inj.apply(plans[b])
