@@ -286,29 +286,32 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
 
 
 def _other_update(kind, weight):
-    """An update of a [24, 16] Linear that is not a stack() pair, by the trace form it takes."""
+    """An update of a Linear with `weight` [out, in] (out a multiple of 4, in of 2) that is not a
+    stack() pair, by the trace form it takes (for [24, 16]: FORM_OF)."""
     from comfyui_lora_runtime.lora_runtime import updates as U
     from testkit.fixtures import lora_pair
 
+    out_f, in_f = weight.shape
+    c, d = out_f // 4, in_f // 2     # LoKr: w1 [4, 2] x w2 [c, d]
     g = torch.Generator().manual_seed(11)
 
     def r(*shape, s=0.3):
         return torch.randn(*shape, generator=g) * s
-    if kind == "lokr (kron)":       # w1 [4, 2] x w2 [6, 8] = [24, 16]
-        return U.LoKr(w1=r(4, 2, s=1.0), w2=r(6, 8), alpha=None)
+    if kind == "lokr (kron)":
+        return U.LoKr(w1=r(4, 2, s=1.0), w2=r(c, d), alpha=None)
     if kind == "lokr (kron2)":      # w2 = w2_a w2_b kept factorised (rank 1)
-        return U.LoKr(w1=r(4, 2, s=1.0), w2_a=r(6, 1), w2_b=r(1, 8), alpha=0.5)
+        return U.LoKr(w1=r(4, 2, s=1.0), w2_a=r(c, 1), w2_b=r(1, d), alpha=0.5)
     if kind == "loha (pair)":       # rank 2 x 2: the Khatri-Rao pair
-        return U.LoHa(r(24, 2), r(2, 16), r(24, 2), r(2, 16), alpha=1.5)
-    if kind == "loha (dense)":      # rank 4 x 3 = 12: the dense delta is cheaper
-        return U.LoHa(r(24, 4), r(4, 16), r(24, 3), r(3, 16), alpha=6.0)
+        return U.LoHa(r(out_f, 2), r(2, in_f), r(out_f, 2), r(2, in_f), alpha=1.5)
+    if kind == "loha (dense)":      # rank 4 x 3 = 12: the dense delta is cheaper at [24, 16]
+        return U.LoHa(r(out_f, 4), r(4, in_f), r(out_f, 3), r(3, in_f), alpha=6.0)
     if kind == "full":
-        return U.Full(r(24, 16, s=0.1))
-    down, up = lora_pair(24, 16, 4, 1, scale=0.3)
+        return U.Full(r(out_f, in_f, s=0.1))
+    down, up = lora_pair(out_f, in_f, 4, 1, scale=0.3)
     if kind == "dora out (lora)":
         return U.DoRA(U.LoRA(down, up, 4.0), weight.norm(dim=1) * 1.2)
     if kind == "dora out (lokr)":
-        return U.DoRA(U.LoKr(w1=r(4, 2, s=1.0), w2=r(6, 8), alpha=None), weight.norm(dim=1) * 0.9)
+        return U.DoRA(U.LoKr(w1=r(4, 2, s=1.0), w2=r(c, d), alpha=None), weight.norm(dim=1) * 0.9)
     if kind == "dora in (lora)":
         return U.DoRA(U.LoRA(down, up, 4.0), weight.norm(dim=0)[None, :] * 1.1)
     raise AssertionError(kind)
@@ -372,6 +375,47 @@ def test_compile_trace_forms_match_eager_in_bf16():
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=kind)
             assert (got.float() - base.float()).abs().max() > 5e-2, kind
         finally:
+            w.detach()
+
+
+def test_compile_a_model_of_every_update_type_is_one_graph_without_breaks():
+    """Every Linear of a Wan-shaped model carries another update type (with plain LoRA beside
+    some): the compiled model is one graph (fullgraph: a graph break raises), equal to eager, far
+    from the adapter-off model, and strength changes on every layer build no second graph."""
+    from testkit.fixtures import TinyWanLike, linear_names, lora_pair
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+
+    torch._dynamo.reset()
+    model = TinyWanLike(d=32, f=64, n=2)
+    wrappers = []
+    for i, name in enumerate(linear_names(model)):
+        lin = model.get_submodule(name)
+        w = _attached(lin, _other_update(OTHER[i % len(OTHER)], lin.weight.detach()))
+        if i % 3 == 0:  # a plain pair beside it: the pair and the form in one trace plan
+            down, up = lora_pair(lin.out_features, lin.in_features, 2, 50 + i, scale=0.3)
+            w.add_adapter("b", LayerAdapter(name, down, up, alpha=2.0), 0.5)
+        w.prepare_trace()
+        assert w._trace_plan is not None and w._trace_plan.forms, name
+        wrappers.append(w)
+    graphs, counting = _graph_counter()
+    cm = torch.compile(model, backend=counting, fullgraph=True, dynamic=False)
+    x = torch.randn(2, 5, 32)
+    try:
+        with torch.no_grad():
+            with runtime_context(tier="lossless", scale=0.0):
+                base = model(x)
+            for st in (0.8, -0.5, 1.3):
+                for w in wrappers:
+                    w.set_strength("a", st)
+                with runtime_context(tier="lossless"):
+                    got, want = cm(x), model(x)
+                # fp32, the per-layer rounding differences (RTOL/ATOL above) carried through 21
+                # adapted layers in 2 residual blocks: 1e-4, a hundredth of the adapters' effect
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                assert (got - base).abs().max() > 1e-2
+        assert len(graphs) == 1, f"{len(graphs)} graphs over 3 strengths"
+    finally:
+        for w in wrappers:
             w.detach()
 
 
