@@ -10,8 +10,8 @@ Contract
   compiled (traced) call reads: tensors only, the factors as fp32 0-d tensors (slot factor, and
   the adapter's `AdapterCell` for the runtime factor and row mask). stack() pairs ride as pairs;
   every other update as its trace form (`updates.trace_forms`: LoKr, LoHa, full deltas, DoRA).
-  `traced_forward` uses it, or the general path when there is none (convolutions, a DoRA whose
-  base output the host patches per call).
+  Convolutions ride as their kernel delta (a `conv` form). `traced_forward` uses it, or the
+  general path when there is none (a DoRA whose base output the host patches per call).
 Design and numerics: docs/engine.md (call plans, torch.compile).
 """
 from __future__ import annotations
@@ -220,20 +220,29 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
     output offset is added per call, merged or not (the merge writes the weight only). None
     (compiled calls take the general path, which reads the context and breaks the graph) when a
     live slot has neither a stack() pair (`_trace_pair`) nor a trace form, a form reads the base
-    output and the host patches the weight or bias per call, or the layer is a convolution."""
+    output and the host patches the weight or bias per call, or a convolution's update needs the
+    weight. A convolution's slot is its dense kernel delta (times scale), convolved like the layer."""
     enabled = [s for s in lw.slots.values() if s.enabled]
     live = [s for s in enabled if not s.merged and s.has_weight_delta]
     offs = [s for s in enabled if s.update.diff_b is not None]
     if not live and not offs:
         return TracePlan(None, (), lw.layer_name)
-    if lw.is_conv:
-        return None
     w = lw.weight
     if w is None or w.is_meta:
         return None
     device = w.device
     slots, forms = [], []
+    conv = lw.get_base_layer() if lw.is_conv else None
     for s in live:
+        if conv is not None:  # the eager path's dense kernel, without the strength
+            if s.update.needs_weight:
+                return None
+            kern = s.update.delta(device, torch.float32).reshape(real_shape(conv.weight))
+            geometry = (conv.stride, conv.padding, conv.dilation, conv.groups)
+            forms.append(("conv", (kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
+                          torch.tensor(float(s.strength), dtype=torch.float32, device=device),
+                          adapter_cell(s.name, device)))
+            continue
         # the weight's dtype when it is a compute dtype (the usual case: the eager path's copy is
         # shared), else (fp8/int weights cast per call) the adapter's own; a traced call casts to x's
         pair = _trace_pair(s, device, w.dtype if w.dtype in _COMPUTE else None)
@@ -252,7 +261,8 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
         ok, base_bias = lw.base_bias_to_subtract()
         if not ok:
             return None
-    offsets = tuple((s.update.bias_delta(device, torch.float32),
+    spatial = [1] * (len(real_shape(conv.weight)) - 2) if conv is not None else []  # [C] -> [C, 1, ...]
+    offsets = tuple((s.update.bias_delta(device, torch.float32).reshape(-1, *spatial),
                      torch.tensor(float(s.strength), dtype=torch.float32, device=device),
                      adapter_cell(s.name, device)) for s in offs)
     return TracePlan(device, tuple(slots), lw.layer_name, offsets, tuple(forms), base_bias)

@@ -9,7 +9,9 @@ Contract
   ``kron`` (w1 [p, q], w2 [c, d]): x through kron(w1, w2) without forming it; ``kron2``
   (w1, w2a [c, r], w2b [r, d]): the same with w2 = w2a w2b kept factorised. ``dora``
   (g [out], inner kind, inner tensors, inner scale as an fp32 0-d tensor): the per-row DoRA
-  output (g - 1) * y0 + g * inner(x), y0 = x Wᵀ (the base output without bias).
+  output (g - 1) * y0 + g * inner(x), y0 = x Wᵀ (the base output without bias). ``conv``
+  (kernel delta, stride, padding, dilation, groups): the layer's own convolution of x with the
+  kernel delta, no bias (built by the layer, which knows the geometry).
 - Only tensor ops on the arguments: no caches, no Python state, no data-dependent branches.
 """
 from __future__ import annotations
@@ -18,15 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KINDS = ("dense", "pair", "kron", "kron2", "dora")
+KINDS = ("dense", "pair", "kron", "kron2", "dora", "conv")
+_CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 
 
 def cast_form(kind: str, tensors: tuple, dtype: torch.dtype) -> tuple:
-    """`tensors` with every matrix in `dtype` (a dora form's fp32 inner scale stays fp32)."""
+    """`tensors` with every matrix in `dtype` (a dora form's fp32 inner scale stays fp32, a conv
+    form's geometry is not a tensor)."""
     if kind == "dora":
         g, ik, it, iscale = tensors
         return g.to(dtype), ik, cast_form(ik, it, dtype), iscale
-    return tuple(t.to(dtype) for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) else t for t in tensors)
 
 
 def needs_base_output(kind: str) -> bool:
@@ -51,4 +55,7 @@ def form_out(kind: str, t: tuple, x: Tensor, y0: Tensor | None = None) -> Tensor
         inner = form_out(ik, it, x)
         inner = (inner.float() * iscale).to(inner.dtype)
         return (g - 1) * y0 + g * inner
+    if kind == "conv":
+        k, stride, padding, dilation, groups = t
+        return _CONV[k.dim()](x, k, None, stride, padding, dilation, groups)
     raise ValueError(f"unknown trace form {kind!r}")

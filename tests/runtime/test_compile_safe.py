@@ -242,7 +242,8 @@ def _far(got, base):
 def _strengths_and_tiers(w, lin, cf, x, differs):
     """Slot "a" at three strengths, each under lossless and exact: the compiled call `cf` equals the
     eager one, and `differs(got, base)` asserts it is not the adapter-off output. Returns that."""
-    base = F.linear(x, lin.weight, lin.bias)
+    with runtime_context(scale=0.0):
+        base = lin(x)
     for st in (0.8, -0.4, 1.7):
         w.set_strength("a", st)
         for tier in ("lossless", "exact"):
@@ -417,6 +418,45 @@ def test_compile_a_model_of_every_update_type_is_one_graph_without_breaks():
     finally:
         for w in wrappers:
             w.detach()
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_compile_convolutions_ride_in_the_trace_plan(dims):
+    """A patch embedding (Conv2d, Wan's Conv3d) with a LoCon-style LoRA and an output offset: its
+    kernel delta and offset ride in the trace plan; one graph over strengths and tiers, one more
+    for a mask; the compiled output equals eager's, the masked-off batch row is base."""
+    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from testkit.fixtures import lora_pair
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if dims == 2:
+        conv, x = torch.nn.Conv2d(3, 8, 2, stride=2), torch.randn(2, 3, 8, 8)
+    else:
+        conv, x = torch.nn.Conv3d(4, 8, (1, 2, 2), stride=(1, 2, 2)), torch.randn(2, 4, 2, 6, 6)
+    k_in = conv.weight[0].numel()
+    w = LoraLinear(conv, "patch_embedding")
+    down, up = lora_pair(8, k_in, 2, 5, scale=0.3)      # LoCon: down [r, in * kernel]
+    w.add_adapter("a", LayerAdapter("patch_embedding", down, up, alpha=2.0, diff_b=torch.randn(8) * 0.5), 0.7)
+    w.attach()
+    graphs, counting = _graph_counter()
+    try:
+        w.prepare_trace()
+        tp = w._trace_plan
+        assert tp is not None and [f[0] for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
+        cf = torch.compile(conv, backend=counting, dynamic=False)
+        with torch.no_grad():
+            base = _strengths_and_tiers(w, conv, cf, x, _far)
+            assert len(graphs) == 1, f"{len(graphs)} graphs for 3 strengths and 2 tiers"
+            with runtime_context(tier="lossless", adapters={"a": (1.0, torch.tensor([0.0, 1.0]))}):
+                got, want = cf(x), conv(x)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(got[0], base[0], rtol=0, atol=0)
+            _far(got[1], base[1])
+            assert len(graphs) == 2
+    finally:
+        w.detach()
 
 
 def test_compile_layers_without_a_trace_plan_stay_correct():
