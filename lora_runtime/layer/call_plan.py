@@ -9,7 +9,8 @@ Contract
 - `build_trace_plan(lw)` (via `LoraLinear.prepare_trace`, after each state transition): what a
   compiled (traced) call reads: tensors only, the factors as fp32 0-d tensors (slot factor, and
   the adapter's `AdapterCell` for the runtime factor and row mask). stack() pairs ride as pairs;
-  every other update as its trace form (`updates.trace_forms`: LoKr, LoHa, full deltas, DoRA).
+  every other update as its trace form (`updates.trace_forms`: LoKr, LoHa, full deltas, DoRA,
+  sliced updates of those).
   Convolutions ride as their kernel delta (a `conv` form). `traced_forward` uses it, or the
   general path when there is none (a DoRA whose base output the host patches per call).
 Design and numerics: docs/engine.md (call plans, torch.compile).
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, per_rank, times
 from . import stacking
-from ..updates.trace_forms import cast_form, form_out, needs_base_output
+from ..updates.trace_forms import cast_form, form_dtype, form_out, needs_base_output
 from .base_weight import real_shape
 from .runtime_context import adapter_cell, current_context
 from .stacking import can_add_inplace, row_mask
@@ -280,7 +281,7 @@ def traced_forward(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor) -> torch.
     if tp.needs_y0:  # x Wᵀ, read off the base output before anything is added to it
         y0 = y if tp.base_bias is None else y - tp.base_bias.to(y.dtype)
     for kind, t, k, cell in tp.forms:
-        if t[0].dtype != x.dtype:
+        if form_dtype(kind, t) != x.dtype:
             t = cast_form(kind, t, x.dtype)
         o = form_out(kind, t, x, y0)
         o = (o.float() * (k * cell.factor)).to(o.dtype)

@@ -100,6 +100,17 @@ class Sliced(Update):
                 out[sel] = v._delta(device, ct, idx[sel] - a, w)
         return out
 
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
+        """Each part's own form in its row block (a part that reads the base output: None)."""
+        parts = []
+        for a, b, v in self.parts:
+            f = None if v.needs_base_output else v.trace_form(device, dtype)
+            if f is None:
+                return None
+            kind, t, scale = f
+            parts.append((a, b, kind, t, torch.tensor(float(scale), dtype=torch.float32, device=device)))
+        return "sliced", (tuple(parts), self._out), 1.0
+
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         y = x.new_zeros(*x.shape[:-1], self._out)
         for a, b, v in self.parts:

@@ -11,7 +11,9 @@ Contract
   (g [out], inner kind, inner tensors, inner scale as an fp32 0-d tensor): the per-row DoRA
   output (g - 1) * y0 + g * inner(x), y0 = x Wᵀ (the base output without bias). ``conv``
   (kernel delta, stride, padding, dilation, groups): the layer's own convolution of x with the
-  kernel delta, no bias (built by the layer, which knows the geometry).
+  kernel delta, no bias (built by the layer, which knows the geometry). ``sliced`` (parts
+  ((lo, hi, kind, tensors, scale as an fp32 0-d tensor), ...), out): each part's form times its
+  scale in its column block of the output, zeros between.
 - Only tensor ops on the arguments: no caches, no Python state, no data-dependent branches.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KINDS = ("dense", "pair", "kron", "kron2", "dora", "conv")
+KINDS = ("dense", "pair", "kron", "kron2", "dora", "conv", "sliced")
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 
 
@@ -30,7 +32,18 @@ def cast_form(kind: str, tensors: tuple, dtype: torch.dtype) -> tuple:
     if kind == "dora":
         g, ik, it, iscale = tensors
         return g.to(dtype), ik, cast_form(ik, it, dtype), iscale
+    if kind == "sliced":
+        parts, out = tensors
+        return tuple((lo, hi, k, cast_form(k, t, dtype), sc) for lo, hi, k, t, sc in parts), out
     return tuple(t.to(dtype) if isinstance(t, Tensor) else t for t in tensors)
+
+
+def form_dtype(kind: str, tensors: tuple) -> torch.dtype:
+    """The dtype the form's matrices are in."""
+    if kind == "sliced":
+        _, _, k, t, _ = tensors[0][0]
+        return form_dtype(k, t)
+    return tensors[0].dtype
 
 
 def needs_base_output(kind: str) -> bool:
@@ -55,6 +68,18 @@ def form_out(kind: str, t: tuple, x: Tensor, y0: Tensor | None = None) -> Tensor
         inner = form_out(ik, it, x)
         inner = (inner.float() * iscale).to(inner.dtype)
         return (g - 1) * y0 + g * inner
+    if kind == "sliced":
+        parts, out = t
+        lead, pieces, at = x.shape[:-1], [], 0
+        for lo, hi, k, pt, sc in parts:
+            if lo > at:
+                pieces.append(x.new_zeros(*lead, lo - at))
+            o = form_out(k, pt, x)
+            pieces.append((o.float() * sc).to(o.dtype))
+            at = hi
+        if at < out:
+            pieces.append(x.new_zeros(*lead, out - at))
+        return torch.cat(pieces, -1)
     if kind == "conv":
         k, stride, padding, dilation, groups = t
         return _CONV[k.dim()](x, k, None, stride, padding, dilation, groups)

@@ -315,11 +315,18 @@ def _other_update(kind, weight):
         return U.DoRA(U.LoKr(w1=r(4, 2, s=1.0), w2=r(c, d), alpha=None), weight.norm(dim=1) * 0.9)
     if kind == "dora in (lora)":
         return U.DoRA(U.LoRA(down, up, 4.0), weight.norm(dim=0)[None, :] * 1.1)
+    if kind == "sliced (lokr + lora)":  # rows [0, out/2) a LoKr, [3 out/4, out) a LoRA, none between
+        q = out_f // 4
+        v = U.Sliced([(0, 2 * q, U.LoKr(w1=r(2, 2, s=1.0), w2=r(q, d), alpha=None)),
+                      (3 * q, out_f, U.LoRA(*lora_pair(q, in_f, 2, 7, scale=0.3), 2.0))], out_f)
+        v.check_module(out_f, in_f)
+        return v
     raise AssertionError(kind)
 
 
 FORM_OF = {"lokr (kron)": "kron", "lokr (kron2)": "kron2", "loha (pair)": "pair", "loha (dense)": "dense",
-           "full": "dense", "dora out (lora)": "dora", "dora out (lokr)": "dora", "dora in (lora)": "dense"}
+           "full": "dense", "dora out (lora)": "dora", "dora out (lokr)": "dora", "dora in (lora)": "dense",
+           "sliced (lokr + lora)": "sliced"}
 OTHER = list(FORM_OF)
 
 
@@ -358,6 +365,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
 
 def test_compile_trace_forms_match_eager_in_bf16():
     """bf16 (the usual weight dtype): every form within bf16 rounding of the eager output."""
+    from comfyui_lora_runtime.lora_runtime.updates.trace_forms import form_dtype
     for kind in OTHER:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -366,7 +374,8 @@ def test_compile_trace_forms_match_eager_in_bf16():
         w = _attached(lin, v)
         try:
             w.prepare_trace()
-            assert w._trace_plan.forms[0][1][0].dtype == torch.bfloat16
+            kind_, tensors = w._trace_plan.forms[0][:2]
+            assert form_dtype(kind_, tensors) == torch.bfloat16
             cf = torch.compile(lin, backend="eager", dynamic=False)
             x = torch.randn(2, 3, 16).to(torch.bfloat16)
             with torch.no_grad(), runtime_context(tier="lossless"):
