@@ -139,19 +139,22 @@ class LoKr(Update):
 
     def kron_factors(self, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Dense (w1 [a, b], w2 [c, d]) on device in dtype, unscaled; cached."""
-        def make1():
-            return self.w1 if self.w1 is not None else self.w1_a.double() @ self.w1_b.double()
+        return self._w1(device, dtype), self._w2(device, dtype)
 
-        def make2():
+    # contiguous: torch.kron fails on some non-contiguous inputs (einsum/transposed outputs)
+    def _w1(self, device, dtype: torch.dtype) -> Tensor:
+        def make():
+            return self.w1 if self.w1 is not None else self.w1_a.double() @ self.w1_b.double()
+        return self._on(device, dtype, "w1", lambda: make().contiguous())
+
+    def _w2(self, device, dtype: torch.dtype) -> Tensor:
+        def make():
             if self.w2 is not None:
                 return self.w2
             if self.t2 is not None:
                 return (self.w2_a.double().t() @ self.t2.double()) @ self.w2_b.double()
             return self.w2_a.double() @ self.w2_b.double()
-
-        # contiguous: torch.kron fails on some non-contiguous inputs (einsum/transposed outputs)
-        return (self._on(device, dtype, "w1", lambda: make1().contiguous()),
-                self._on(device, dtype, "w2", lambda: make2().contiguous()))
+        return self._on(device, dtype, "w2", lambda: make().contiguous())
 
     def _delta(self, device, ct, rows, weight) -> Tensor:
         w1, w2 = self.kron_factors(device, ct)
@@ -171,9 +174,8 @@ class LoKr(Update):
         return 2 * r * (c + d) < c * d
 
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
-        w1, w2 = self.kron_factors(x.device, x.dtype)
-        w1 = times(w1, combined_factor(self.scale, factor))  # the smaller factor
-        b, d = w1.shape[1], w2.shape[1]
+        w1 = times(self._w1(x.device, x.dtype), combined_factor(self.scale, factor))  # the smaller factor
+        b, d = w1.shape[1], self.w2_shape[1]
         xv = x.reshape(*x.shape[:-1], b, d)
         # mix over w1 first, on the input-sized [..., b, d] -> [..., a, d] (cheap), so the only
         # output-sized tensor is the final one: y[..., p, :] = (sum_j w1[p, j] X[..., j, :]) w2^T
@@ -183,12 +185,12 @@ class LoKr(Update):
             w2b = self._on(x.device, x.dtype, "w2_b", lambda: self.w2_b)
             y = F.linear(F.linear(u, w2b), w2a)
         else:
-            y = F.linear(u, w2)  # [..., a, c]
+            y = F.linear(u, self._w2(x.device, x.dtype))  # [..., a, c]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
-        w1, w2 = self.kron_factors(device, dtype)
-        if self._w2_factored():
+        w1 = self._w1(device, dtype)
+        if self._w2_factored():   # the dense w2 is never formed
             return "kron2", (w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
                              self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
-        return "kron", (w1, w2), self.scale
+        return "kron", (w1, self._w2(device, dtype)), self.scale

@@ -282,6 +282,19 @@ def test_lokr_forward_never_builds_the_dense_delta(monkeypatch):
     v.forward(x_in(IN), 0.8)
 
 
+def test_lokr_with_a_factorised_w2_worth_keeping_never_forms_the_dense_w2():
+    """w2 = w2_a w2_b at rank 1 ([6, 8]): the forward and the trace form run the two thin GEMMs;
+    the dense w2 is not built (nor cached), and the output is still kron(w1, w2) x."""
+    w1, w2a, w2b = rnd(4, 2, seed=80), rnd(6, 1, seed=81), rnd(1, 8, seed=82)
+    v = LoKr(w1=w1, w2_a=w2a, w2_b=w2b, alpha=None, stem="l")
+    x = x_in(16)
+    ref = F.linear(x.double(), torch.kron(w1.double(), w2a.double() @ w2b.double()) * 0.8)
+    check(v.forward(x, 0.8), ref, FWD_TOL, [("w2 left out", F.linear(x.double(), torch.kron(w1.double(),
+                                                                                          torch.ones(6, 8).double())))])
+    assert v.trace_form("cpu", torch.float32)[0] == "kron2"
+    assert not any(k[:2] == ("cast", "w2") for k in v._cache), "the dense w2 was formed"
+
+
 # --- DoRA ------------------------------------------------------------------------------------
 def dora_setup(seed=30):
     w = rnd(OUT, IN, seed=seed) / IN ** 0.5
