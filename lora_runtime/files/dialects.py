@@ -53,7 +53,10 @@ Where the facts come from (facts only; no code is shared with these projects):
 
 - Flux: ComfyUI ``comfy/utils.py`` ``flux_to_diffusers`` (diffusers names, qkv thirds,
   ``proj_mlp`` rows ``[3h, 3h+mlp)``, ``norm_out.linear`` with ``swap_scale_shift``,
-  LyCORIS ``ff.linear_in``, Flux 2 ``to_qkv_mlp_proj``/``to_out``) and
+  LyCORIS ``ff.linear_in``, Flux 2 ``to_qkv_mlp_proj``/``to_out``); Flux 2's other
+  diffusers names (``time_guidance_embed.*``, the shared ``double_stream_modulation_img/txt``
+  and ``single_stream_modulation`` ``.linear`` = native ``.lin``) from diffusers
+  ``scripts/convert_flux2_to_diffusers.py`` and ``Flux2Transformer2DModel``; and
   ``comfy/lora.py`` ``model_lora_keys_unet`` (prefixes ``transformer.``,
   ``lycoris_``, ``lora_transformer_``, bare diffusers names (DiffSynth), native
   ``lora_unet_`` / ``diffusion_model.``, ``linear1_qkv`` = ``linear1`` rows ``[0, 3h)``);
@@ -243,12 +246,20 @@ FLUX_TABLE: list[tuple[str, list[tuple[str, str, RowsRule]]]] = [
     (rf"single_blocks\.{_B}\.norm\.key_norm", [(D, "single_transformer_blocks.{0}.attn.norm_k", _whole)]),
     (r"img_in", [(D, "x_embedder", _whole)]),
     (r"txt_in", [(D, "context_embedder", _whole)]),
-    (r"time_in\.in_layer", [(D, "time_text_embed.timestep_embedder.linear_1", _whole)]),
-    (r"time_in\.out_layer", [(D, "time_text_embed.timestep_embedder.linear_2", _whole)]),
+    (r"time_in\.in_layer", [(D, "time_text_embed.timestep_embedder.linear_1", _whole),
+                             (D, "time_guidance_embed.timestep_embedder.linear_1", _whole)]),  # Flux 2
+    (r"time_in\.out_layer", [(D, "time_text_embed.timestep_embedder.linear_2", _whole),
+                              (D, "time_guidance_embed.timestep_embedder.linear_2", _whole)]),
     (r"vector_in\.in_layer", [(D, "time_text_embed.text_embedder.linear_1", _whole)]),
     (r"vector_in\.out_layer", [(D, "time_text_embed.text_embedder.linear_2", _whole)]),
-    (r"guidance_in\.in_layer", [(D, "time_text_embed.guidance_embedder.linear_1", _whole)]),
-    (r"guidance_in\.out_layer", [(D, "time_text_embed.guidance_embedder.linear_2", _whole)]),
+    (r"guidance_in\.in_layer", [(D, "time_text_embed.guidance_embedder.linear_1", _whole),
+                                 (D, "time_guidance_embed.guidance_embedder.linear_1", _whole)]),
+    (r"guidance_in\.out_layer", [(D, "time_text_embed.guidance_embedder.linear_2", _whole),
+                                  (D, "time_guidance_embed.guidance_embedder.linear_2", _whole)]),
+    # Flux 2: one modulation per stream for all blocks (same [shift, scale, gate] row order in both namings)
+    (r"double_stream_modulation_img\.lin", [(D, "double_stream_modulation_img.linear", _whole)]),
+    (r"double_stream_modulation_txt\.lin", [(D, "double_stream_modulation_txt.linear", _whole)]),
+    (r"single_stream_modulation\.lin", [(D, "single_stream_modulation.linear", _whole)]),
     (r"final_layer\.linear", [(D, "proj_out", _whole)]),
     (r"final_layer\.adaLN_modulation\.1", [(D, "norm_out.linear", _swap)]),
 ]

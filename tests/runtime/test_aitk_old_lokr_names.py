@@ -98,7 +98,7 @@ def _files(tmp_path, family: str, model, seed: int = 0):
 
 
 def _model(family: str):
-    return MODELS["Flux" if family == "Flux 2" else family]()
+    return MODELS[family]()
 
 
 FAMILIES = ["Flux", "Flux 2", "Qwen-Image", "Wan"]

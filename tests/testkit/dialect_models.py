@@ -1,4 +1,4 @@
-"""Tiny skeletons with ComfyUI's native module names (Flux, Qwen-Image, LTX-Video, Wan)
+"""Tiny skeletons with ComfyUI's native module names (Flux, Flux 2, Qwen-Image, LTX-Video, Wan)
 and adapter files in every key dialect, with the dense delta each native module
 should receive — written out by hand here, independently of
 ``lora_runtime.files.dialects`` (nothing in this file calls the resolver).
@@ -12,7 +12,10 @@ for diffusers' ``norm_out.linear``). No pytest imports here.
 
 Module names and shapes follow ComfyUI's ``comfy/ldm/flux/layers.py`` + ``model.py``,
 ``comfy/ldm/qwen_image/model.py``, ``comfy/ldm/lightricks/model.py``,
-``comfy/ldm/wan/model.py`` (small dims; no forward).
+``comfy/ldm/wan/model.py`` (small dims; no forward). Flux 2 (``global_modulation``): no biases,
+SwiGLU MLPs (``img_mlp.0`` and ``linear1``'s MLP part twice the hidden width), no per-block
+modulation but ``double_stream_modulation_img/txt.lin`` and ``single_stream_modulation.lin``
+at the top, no ``vector_in``; diffusers names from ``Flux2Transformer2DModel``.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ def _seq(*mods):
 
 
 class _MLPEmbedder(nn.Module):
-    def __init__(self, i, h):
+    def __init__(self, i, h, bias=True):
         super().__init__()
-        self.in_layer, self.out_layer = nn.Linear(i, h), nn.Linear(h, h)
+        self.in_layer, self.out_layer = nn.Linear(i, h, bias=bias), nn.Linear(h, h, bias=bias)
 
 
 class _QKNorm(nn.Module):
@@ -39,17 +42,17 @@ class _QKNorm(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, h, heads):
+    def __init__(self, h, heads, bias=True):
         super().__init__()
-        self.qkv = nn.Linear(h, 3 * h)
+        self.qkv = nn.Linear(h, 3 * h, bias=bias)
         self.norm = _QKNorm(h // heads)
-        self.proj = nn.Linear(h, h)
+        self.proj = nn.Linear(h, h, bias=bias)
 
 
 class _Modulation(nn.Module):
-    def __init__(self, h, n):
+    def __init__(self, h, n, bias=True):
         super().__init__()
-        self.lin = nn.Linear(h, n * h)
+        self.lin = nn.Linear(h, n * h, bias=bias)
 
 
 class _DoubleBlock(nn.Module):
@@ -74,11 +77,11 @@ class _SingleBlock(nn.Module):
 
 
 class _LastLayer(nn.Module):
-    def __init__(self, h, out):
+    def __init__(self, h, out, bias=True):
         super().__init__()
         self.norm_final = nn.LayerNorm(h, elementwise_affine=False)
-        self.linear = nn.Linear(h, out)
-        self.adaLN_modulation = _seq(nn.SiLU(), nn.Linear(h, 2 * h))
+        self.linear = nn.Linear(h, out, bias=bias)
+        self.adaLN_modulation = _seq(nn.SiLU(), nn.Linear(h, 2 * h, bias=bias))
 
 
 class TinyFlux(nn.Module):
@@ -97,6 +100,48 @@ class TinyFlux(nn.Module):
         self.double_blocks = nn.ModuleList(_DoubleBlock(h, heads, mlp) for _ in range(depth))
         self.single_blocks = nn.ModuleList(_SingleBlock(h, heads, mlp) for _ in range(depth_single))
         self.final_layer = _LastLayer(h, in_ch)
+
+
+class _Flux2DoubleBlock(nn.Module):
+    def __init__(self, h, heads, mlp):
+        super().__init__()
+        for s in ("img", "txt"):
+            setattr(self, f"{s}_norm1", nn.LayerNorm(h, elementwise_affine=False))
+            setattr(self, f"{s}_attn", _SelfAttention(h, heads, bias=False))
+            setattr(self, f"{s}_norm2", nn.LayerNorm(h, elementwise_affine=False))
+            setattr(self, f"{s}_mlp", _seq(nn.Linear(h, 2 * mlp, bias=False), nn.SiLU(),
+                                           nn.Linear(mlp, h, bias=False)))
+
+
+class _Flux2SingleBlock(nn.Module):
+    def __init__(self, h, heads, mlp):
+        super().__init__()
+        self.linear1 = nn.Linear(h, 3 * h + 2 * mlp, bias=False)
+        self.linear2 = nn.Linear(h + mlp, h, bias=False)
+        self.norm = _QKNorm(h // heads)
+        self.pre_norm = nn.LayerNorm(h, elementwise_affine=False)
+
+
+class TinyFlux2(nn.Module):
+    """Flux 2 names (global modulation, bias-free): hidden 32, 2 heads, mlp ratio 3,
+    2 double + 2 single blocks; `guidance=False` is the Klein layout (no guidance_in)."""
+
+    def __init__(self, hidden=32, heads=2, mlp_ratio=3, depth=2, depth_single=2, in_ch=16, ctx=24, t_dim=8,
+                 guidance=True):
+        super().__init__()
+        self.hidden_size, self.mlp_hidden = hidden, hidden * mlp_ratio
+        h, mlp = hidden, hidden * mlp_ratio
+        self.img_in = nn.Linear(in_ch, h, bias=False)
+        self.time_in = _MLPEmbedder(t_dim, h, bias=False)
+        if guidance:
+            self.guidance_in = _MLPEmbedder(t_dim, h, bias=False)
+        self.txt_in = nn.Linear(ctx, h, bias=False)
+        self.double_stream_modulation_img = _Modulation(h, 6, bias=False)
+        self.double_stream_modulation_txt = _Modulation(h, 6, bias=False)
+        self.single_stream_modulation = _Modulation(h, 3, bias=False)
+        self.double_blocks = nn.ModuleList(_Flux2DoubleBlock(h, heads, mlp) for _ in range(depth))
+        self.single_blocks = nn.ModuleList(_Flux2SingleBlock(h, heads, mlp) for _ in range(depth_single))
+        self.final_layer = _LastLayer(h, in_ch, bias=False)
 
 
 class _QwenAttention(nn.Module):
@@ -239,7 +284,8 @@ class TinyWan(nn.Module):
                                      nn.LayerNorm(d))
 
 
-MODELS = {"Flux": TinyFlux, "Qwen-Image": TinyQwenImage, "LTX-Video": TinyLTXVideo, "Wan": TinyWan}
+MODELS = {"Flux": TinyFlux, "Flux 2": TinyFlux2, "Qwen-Image": TinyQwenImage, "LTX-Video": TinyLTXVideo,
+          "Wan": TinyWan}
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -298,6 +344,43 @@ def flux_layers(model: TinyFlux, naming: str) -> list[tuple[str, str, tuple[int,
             ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer", None, False),
             ("proj_out", "final_layer.linear", None, False),
             ("norm_out.linear", "final_layer.adaLN_modulation.1", None, True)]
+    return out
+
+
+def flux2_layers(model: TinyFlux2, naming: str) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
+    """Every Linear of TinyFlux2 as one naming names it. naming: native | diffusers."""
+    h = model.hidden_size
+    if naming == "native":
+        return [(n, n, None, False) for n in linear_names(model)]
+    assert naming == "diffusers"
+    out = []
+    for i in range(len(model.double_blocks)):
+        t, d = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        for j, q in enumerate(("to_q", "to_k", "to_v")):
+            out.append((f"{t}.attn.{q}", f"{d}.img_attn.qkv", (j * h, (j + 1) * h), False))
+        for j, q in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+            out.append((f"{t}.attn.{q}", f"{d}.txt_attn.qkv", (j * h, (j + 1) * h), False))
+        out += [(f"{t}.attn.to_out.0", f"{d}.img_attn.proj", None, False),
+                (f"{t}.attn.to_add_out", f"{d}.txt_attn.proj", None, False),
+                (f"{t}.ff.linear_in", f"{d}.img_mlp.0", None, False),
+                (f"{t}.ff.linear_out", f"{d}.img_mlp.2", None, False),
+                (f"{t}.ff_context.linear_in", f"{d}.txt_mlp.0", None, False),
+                (f"{t}.ff_context.linear_out", f"{d}.txt_mlp.2", None, False)]
+    for i in range(len(model.single_blocks)):
+        t, s = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        out += [(f"{t}.attn.to_qkv_mlp_proj", f"{s}.linear1", None, False),
+                (f"{t}.attn.to_out", f"{s}.linear2", None, False)]
+    out += [("x_embedder", "img_in", None, False), ("context_embedder", "txt_in", None, False),
+            ("time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer", None, False),
+            ("time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer", None, False),
+            ("double_stream_modulation_img.linear", "double_stream_modulation_img.lin", None, False),
+            ("double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin", None, False),
+            ("single_stream_modulation.linear", "single_stream_modulation.lin", None, False),
+            ("proj_out", "final_layer.linear", None, False),
+            ("norm_out.linear", "final_layer.adaLN_modulation.1", None, True)]
+    if hasattr(model, "guidance_in"):
+        out += [("time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer", None, False),
+                ("time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer", None, False)]
     return out
 
 
@@ -372,6 +455,10 @@ DIALECT_FILES = {
                                           "Flux kohya-diffusers (OneTrainer)"),
     "Flux LyCORIS (SimpleTuner)": ("Flux", "diffusers", _flat("lycoris_"), KOHYA, "Flux LyCORIS (SimpleTuner)"),
     "Flux XLabs": ("Flux", "xlabs", _dots(""), XLABS, "Flux XLabs"),
+    "Flux 2 BFL native": ("Flux 2", "native", _dots("diffusion_model."), KOHYA, "Flux BFL native"),
+    "Flux 2 kohya": ("Flux 2", "native", _flat("lora_unet_"), KOHYA, "Flux kohya"),
+    "Flux 2 diffusers": ("Flux 2", "diffusers", _dots("transformer."), PEFT, "Flux diffusers"),
+    "Flux 2 LyCORIS (SimpleTuner)": ("Flux 2", "diffusers", _flat("lycoris_"), KOHYA, "Flux LyCORIS (SimpleTuner)"),
     "Qwen-Image diffusers": ("Qwen-Image", "diffusers", _dots("transformer."), PEFT, "Qwen-Image diffusers"),
     "Qwen-Image native": ("Qwen-Image", "native", _dots("diffusion_model."), KOHYA, "Qwen-Image native"),
     "Qwen-Image kohya": ("Qwen-Image", "native", _flat("lora_unet_"), KOHYA, "Qwen-Image kohya"),
@@ -387,7 +474,7 @@ DIALECT_FILES = {
     "Wan diffusers": ("Wan", "diffusers", _dots("transformer."), PEFT, "Wan diffusers"),
 }
 
-_LAYERS = {"Flux": flux_layers, "Qwen-Image": qwen_layers, "LTX-Video": ltx_layers, "Wan": wan_layers}
+_LAYERS = {"Flux": flux_layers, "Flux 2": flux2_layers, "Qwen-Image": qwen_layers, "LTX-Video": ltx_layers, "Wan": wan_layers}
 
 
 def dialect_layers(dialect: str, model: nn.Module) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
