@@ -295,6 +295,17 @@ def linear_names(model: nn.Module) -> list[str]:
 # --- hand-written layer tables: (file name, native module, rows | None, swap) --------
 
 
+def _double_attention_names(t: str, d: str, h: int) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
+    """A Flux (1 or 2) double block's attention in diffusers names: q/k/v thirds of the fused qkv."""
+    out = []
+    for j, q in enumerate(("to_q", "to_k", "to_v")):
+        out.append((f"{t}.attn.{q}", f"{d}.img_attn.qkv", (j * h, (j + 1) * h), False))
+    for j, q in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+        out.append((f"{t}.attn.{q}", f"{d}.txt_attn.qkv", (j * h, (j + 1) * h), False))
+    return out + [(f"{t}.attn.to_out.0", f"{d}.img_attn.proj", None, False),
+                  (f"{t}.attn.to_add_out", f"{d}.txt_attn.proj", None, False)]
+
+
 def flux_layers(model: TinyFlux, naming: str) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
     """Every Linear of TinyFlux as one dialect names it. naming: native | diffusers | xlabs."""
     h, mlp = model.hidden_size, model.mlp_hidden
@@ -315,13 +326,8 @@ def flux_layers(model: TinyFlux, naming: str) -> list[tuple[str, str, tuple[int,
     assert naming == "diffusers"
     for i in range(nd):
         t, d = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        for j, q in enumerate(("to_q", "to_k", "to_v")):
-            out.append((f"{t}.attn.{q}", f"{d}.img_attn.qkv", (j * h, (j + 1) * h), False))
-        for j, q in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
-            out.append((f"{t}.attn.{q}", f"{d}.txt_attn.qkv", (j * h, (j + 1) * h), False))
-        out += [(f"{t}.attn.to_out.0", f"{d}.img_attn.proj", None, False),
-                (f"{t}.attn.to_add_out", f"{d}.txt_attn.proj", None, False),
-                (f"{t}.norm1.linear", f"{d}.img_mod.lin", None, False),
+        out += _double_attention_names(t, d, h)
+        out += [(f"{t}.norm1.linear", f"{d}.img_mod.lin", None, False),
                 (f"{t}.norm1_context.linear", f"{d}.txt_mod.lin", None, False),
                 (f"{t}.ff.net.0.proj", f"{d}.img_mlp.0", None, False),
                 (f"{t}.ff.net.2", f"{d}.img_mlp.2", None, False),
@@ -356,13 +362,8 @@ def flux2_layers(model: TinyFlux2, naming: str) -> list[tuple[str, str, tuple[in
     out = []
     for i in range(len(model.double_blocks)):
         t, d = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        for j, q in enumerate(("to_q", "to_k", "to_v")):
-            out.append((f"{t}.attn.{q}", f"{d}.img_attn.qkv", (j * h, (j + 1) * h), False))
-        for j, q in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
-            out.append((f"{t}.attn.{q}", f"{d}.txt_attn.qkv", (j * h, (j + 1) * h), False))
-        out += [(f"{t}.attn.to_out.0", f"{d}.img_attn.proj", None, False),
-                (f"{t}.attn.to_add_out", f"{d}.txt_attn.proj", None, False),
-                (f"{t}.ff.linear_in", f"{d}.img_mlp.0", None, False),
+        out += _double_attention_names(t, d, h)
+        out += [(f"{t}.ff.linear_in", f"{d}.img_mlp.0", None, False),
                 (f"{t}.ff.linear_out", f"{d}.img_mlp.2", None, False),
                 (f"{t}.ff_context.linear_in", f"{d}.txt_mlp.0", None, False),
                 (f"{t}.ff_context.linear_out", f"{d}.txt_mlp.2", None, False)]
