@@ -1,9 +1,10 @@
-"""Time per denoising step of a Wan-2.1-1.3B-shaped DiT carrying a LoRA, arms side by side.
+"""Time per denoising step of a Wan-2.1-shaped DiT carrying a LoRA, arms side by side.
 
 One step = one model forward (batch 1; `--cfg` adds batch 2, the cond+uncond pair
 of classifier-free guidance). The model has the real Wan 2.1 1.3B dims (dim 1536,
-ffn 8960, 12 heads, text_dim 4096, freq_dim 256, in/out 16, patch 1x2x2) and random
-weights, but only `--blocks` blocks (2 on the CPU, 30 = the whole model on CUDA).
+ffn 8960, 12 heads, text_dim 4096, freq_dim 256, in/out 16, patch 1x2x2; `--dims 14b`:
+dim 5120, ffn 13824, 40 heads) and random weights, but only `--blocks` blocks (2 on the
+CPU, 30 on CUDA).
 Input: the latent of a 480x272, 9-frame video, 16 x 3 x 34 x 60 -> 1530 tokens;
 text context 512 tokens.
 
@@ -24,16 +25,22 @@ Arms, each on its own copy of the model, timed once per round in rotated order
 Fusions: with `--fusion-backend auto` (default) the engine mounts its fused kernels
 where they run (CUDA/Triton; nothing on the CPU) on none/merged/dynamic alike; peft
 stays eager (as PEFT runs).
-Targets: dynamic vs merged <= 1.05x on the CPU; on CUDA <= 1.04x at video sizes (32760 tokens) and
-<= 1.15x at small ones (1530 tokens).
+`--compile MODE` (default, reduce-overhead = CUDA graphs, max-autotune-no-cudagraphs):
+every block of the none/merged/dynamic/peft copies is compiled (`nn.Module.compile`, one
+graph per block kind, reused over the blocks); the dynamic copy runs its traced call plans.
+`unshared` and `exact` are not timed then (a compiled call has no shared shrink and no
+exact path); the outputs are still checked against the uncompiled exact reference.
+Targets: dynamic vs merged <= 1.05x on the CPU; on CUDA <= 1.04x at video sizes (32760 tokens;
+<= 1.03x with 14B dims) and <= 1.15x at small ones (1530 tokens).
 
 Times: wall clock, except on the CPU at one thread (`--threads 1`): CPU seconds of this process
 (robust to other jobs on a shared machine).
 
 Memory: five copies of the model (none, merged, dynamic/exact, unshared, peft).
 
-    python bench/bench_dit_step.py [--device cpu|cuda] [--quick] [--dtype fp32|bf16]
+    python bench/bench_dit_step.py [--device cpu|cuda] [--quick] [--dtype fp32|bf16] [--dims 1.3b|14b]
         [--blocks N] [--cfg] [--rank R] [--repeats N] [--threads N] [--fusion-backend auto|none]
+        [--compile MODE]
 """
 from __future__ import annotations
 
@@ -63,15 +70,32 @@ TEXT_TOKENS = 512
 TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
            "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
 ALPHA, STRENGTH = 16.0, 0.8
-TARGET = {"cpu": 1.05, "cuda": 1.04, "cuda_small": 1.15}  # dynamic / merged per step
+TARGET = {"cpu": 1.05, "cuda": 1.04, "cuda_14b": 1.03, "cuda_small": 1.15}  # dynamic / merged per step
 SMALL_TOKENS = 4096  # at or below: launch- and Python-bound on CUDA (1530 tokens), the looser target
+# Wan 2.1 model sizes: (dim, ffn_dim, heads); the rest of WanConfig is shared
+DIMS = {"1.3b": (1536, 8960, 12), "14b": (5120, 13824, 40)}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
-def target_for(device: str, tokens: int) -> float:
-    """CPU 1.05; CUDA 1.04 at video sizes (32760 tokens), 1.15 at <= SMALL_TOKENS (1530 tokens)."""
+def target_for(device: str, tokens: int, dims: str = "1.3b") -> float:
+    """CPU 1.05; CUDA 1.04 at video sizes (32760 tokens; 1.03 with 14B dims), 1.15 at <= SMALL_TOKENS
+    (1530 tokens)."""
     if device == "cuda" and tokens <= SMALL_TOKENS:
         return TARGET["cuda_small"]
+    if device == "cuda" and dims == "14b":
+        return TARGET["cuda_14b"]
     return TARGET[device]
+
+
+def wan_config(dims: str, blocks: int) -> WanConfig:
+    dim, ffn, heads = DIMS[dims]
+    return WanConfig(dim=dim, ffn_dim=ffn, num_heads=heads, num_layers=blocks)
+
+
+def arm_names(compiled: bool) -> list[str]:
+    """The timed arms; a compiled run has no unshared (no shared shrink in traced calls) or exact arm."""
+    return ["none", "merged", "dynamic", "peft"] if compiled else ["none", "merged", "dynamic", "unshared", "exact",
+                                                                    "peft"]
 
 
 class PeftShapedLinear(nn.Module):
@@ -148,7 +172,7 @@ def rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
 def dry_run(args) -> dict:
     """The plan without the work: model dims, token count, FLOP shares, arms."""
     blocks = args.blocks or 30
-    cfg = WanConfig(num_layers=blocks)
+    cfg = wan_config(args.dims, blocks)
     with torch.device("meta"):
         model = WanModel(cfg)
     _, t, h, w = LATENT
@@ -158,8 +182,9 @@ def dry_run(args) -> dict:
     n_adapted = sum(1 for i in range(blocks) for t_ in TARGETS if model.get_submodule(f"blocks.{i}.{t_}"))
     plan_ = dict(dry_run=True, blocks=blocks, tokens=tokens, text_tokens=TEXT_TOKENS, rank=args.rank,
                  adapted_linears=n_adapted, adapter_flop_share_adapted=share_adapted,
-                 adapter_flop_share_all=share_all, batches=[1, 2] if args.cfg else [1],
-                 arms=["none", "merged", "dynamic", "unshared", "exact", "peft"], target=target_for("cuda", tokens))
+                 adapter_flop_share_all=share_all, batches=[1, 2] if args.cfg else [1], dims=args.dims,
+                 dim=cfg.dim, ffn_dim=cfg.ffn_dim, compile=args.compile, arms=arm_names(args.compile is not None),
+                 target=target_for("cuda", tokens, args.dims))
     print(f"# dry run: {plan_}")
     if args.json:
         args.json.write_text(json.dumps(plan_, indent=1) + "\n")
@@ -173,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="model dtype (default: fp32 on the CPU as ComfyUI computes there, bf16 on CUDA)")
     p.add_argument("--blocks", type=int, default=None, help="transformer blocks (default 2 on the CPU, 30 on CUDA)")
+    p.add_argument("--dims", choices=sorted(DIMS), default="1.3b", help="Wan 2.1 model dims (default 1.3b)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default=None,
+                   help="torch.compile every block of the timed copies in this mode (default: eager)")
     p.add_argument("--cfg", action="store_true", help="also time batch 2 (cond + uncond in one forward)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--repeats", type=int, default=None, help="rounds (default CPU 3 quick / 6; CUDA 5 / 10)")
@@ -210,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     def log(msg: str) -> None:
         print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    cfg = WanConfig(num_layers=blocks)
+    cfg = wan_config(args.dims, blocks)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):
@@ -225,12 +253,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     tokens = (t // pt) * (-(-h // ph)) * (-(-w // pw))
     share_adapted, share_all = flop_share(base, tokens, args.rank)
 
-    print(header(device, f"Wan2.1-1.3B dims, {blocks} blocks, {dtype_name(dtype)}, latent {LATENT} -> {tokens} "
+    print(header(device, f"Wan2.1-{args.dims.upper()} dims, {blocks} blocks, {dtype_name(dtype)}, latent {LATENT} -> {tokens} "
                          f"tokens, text {TEXT_TOKENS} tokens; rank-{args.rank} adapter (alpha {ALPHA:g}, strength "
                          f"{STRENGTH}) on {len(tensors)} linears (q,k,v,o self+cross, ffn.0, ffn.2 per block)\n"
                          f"# adapter FLOPs: {share_adapted:.2%} of the adapted linears, {share_all:.2%} of all "
                          f"linear FLOPs; median of {repeats} rounds x {inner} steps after {warmup} warm-up, arms "
-                         f"in rotated order; fusion backend {args.fusion_backend}"))
+                         f"in rotated order; fusion backend {args.fusion_backend}"
+                         + (f"; every block compiled (mode {args.compile})" if args.compile else "")))
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path = Path(tmp) / f"bench_wan_r{args.rank}.safetensors"
@@ -253,6 +282,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         else:
             n_fused = 0
         n_peft = to_peft(models["peft"], tensors, args.rank)
+        compiled = args.compile is not None
+        if compiled:  # in place, per block: one graph per block kind, reused over the blocks
+            for n in arm_names(True):
+                for blk in models[n].blocks:
+                    blk.compile(mode=args.compile, dynamic=False)
         log(f"applied (merge {rep_m.patch_seconds:.1f}s, dynamic {rep_d.patch_seconds:.2f}s) in "
             f"{time.perf_counter() - t0:.1f}s")
         print(f"# merged: {rep_m.layers_wrapped} layers, decision {rep_m.decision.chosen}; dynamic: "
@@ -279,16 +313,22 @@ def main(argv: list[str] | None = None) -> dict | None:
                     "dynamic": arm(models["dynamic"], "lossless"), "unshared": arm(models["unshared"], "lossless"),
                     "exact": arm(models["dynamic"], "exact"), "peft": arm(models["peft"], "lossless")}
             with torch.inference_mode():
-                outs = {n: f() for n, f in arms.items()}
-                effect = (outs["exact"].float() - outs["none"].float()).norm()
+                with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+                    ref = {n: arms[n]() for n in ("exact", "none")}   # compiled blocks run eagerly here
+                effect = (ref["exact"].float() - ref["none"].float()).norm()
                 if not effect > 0:
                     raise SystemExit("the adapter changes nothing: the benchmark would compare nothing")
-                check = {n: rel(outs[n], outs["exact"], effect) for n in ("dynamic", "unshared", "merged", "peft")}
-                del outs
+                arms = {n: arms[n] for n in arm_names(compiled)}
+                t0 = time.perf_counter()
+                outs = {n: f() for n, f in arms.items()}  # compiled: the first call compiles
+                if compiled:
+                    log(f"batch {b}: compiled {len(arms)} arms in {time.perf_counter() - t0:.0f}s")
+                check = {n: rel(outs[n], ref["exact"], effect) for n in arms if n not in ("none", "exact")}
+                del outs, ref
                 log(f"batch {b}: outputs checked; timing {len(arms)} arms x {warmup + repeats} rounds")
                 clock = "cpu_process" if device == "cpu" and torch.get_num_threads() == 1 else device
-                stats = interleaved_rounds(arms, clock, refs=("none", "merged", "unshared"), warmup=warmup,
-                                           repeats=repeats, inner=inner, progress=log)
+                stats = interleaved_rounds(arms, clock, refs=("none", "merged", "unshared")[:3 - compiled],
+                                           warmup=warmup, repeats=repeats, inner=inner, progress=log)
             results[b] = (stats, check)
 
         print(f"# difference from exact, as a share of the adapter's effect ||exact - none||: " + "; ".join(
@@ -306,9 +346,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                 print(f"| {b:>5} | {n:8} | {s.median_ms:9.1f} | {s.ratio('none'):6.3f} | {s.ratio('merged'):8.3f} | "
                       f"{lo:7.3f}-{hi:7.3f} | {s.min_ms:9.1f} | {s.min_ms / stats['merged'].min_ms:13.3f} |")
     print(f"\n# {load_string()} (end)")
-    tgt = target_for(device, tokens)
+    tgt = target_for(device, tokens, args.dims)
     summary = dict(device=device, device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                    torch=torch.__version__, dtype=dtype_name(dtype), blocks=blocks, tokens=tokens, rank=args.rank,
+                   dims=args.dims, compile=args.compile,
                    adapter_flop_share_adapted=share_adapted, adapter_flop_share_all=share_all,
                    fusion_backend=args.fusion_backend, repeats=repeats, inner=inner, target=tgt,
                    fused_sites={"none": n_fused, "merged": sum(1 for f in rep_m.fusions if f.get("fusions")),
@@ -318,10 +359,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         r = results[b][0]["dynamic"].ratio("merged")
         st = results[b][0]
         best = st["dynamic"].min_ms / st["merged"].min_ms
-        print(f"# target (batch {b}): dynamic <= {tgt:.2f}x merged on {device}: median {r:.3f}x, best {best:.3f}x "
-              f"-> {'met' if r <= tgt else 'NOT met'} (peft {st['peft'].ratio('merged'):.3f}x, "
-              f"exact {st['exact'].ratio('merged'):.3f}x; shared shrink: dynamic / unshared "
-              f"{st['dynamic'].ratio('unshared'):.3f}x)")
+        besides = [f"peft {st['peft'].ratio('merged'):.3f}x"]
+        if "exact" in st:
+            besides.append(f"exact {st['exact'].ratio('merged'):.3f}x; shared shrink: dynamic / unshared "
+                           f"{st['dynamic'].ratio('unshared'):.3f}x")
+        print(f"# target (batch {b}): dynamic <= {tgt:.2f}x merged on {device}"
+              + (f", compiled ({args.compile})" if compiled else "") + f": median {r:.3f}x, best {best:.3f}x "
+              f"-> {'met' if r <= tgt else 'NOT met'} ({'; '.join(besides)})")
         summary["batches"][b] = dict(
             diff_from_exact=results[b][1],
             arms={n: dict(ms=s_.median_ms, best_ms=s_.min_ms, x_none=s_.ratio("none"), x_merged=s_.ratio("merged"),

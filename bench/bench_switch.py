@@ -3,6 +3,7 @@
     python bench/bench_switch.py --quick        # 6 Wan-1.3B-shaped blocks, 5 rounds (~2 min, <= 5 min on 2 cores)
     python bench/bench_switch.py --blocks 30    # the whole 1.3B DiT
     python bench/bench_switch.py --smoke        # tiny dims, 1 round (CI: the script runs, prints its lines)
+    python bench/bench_switch.py --device cuda  # the same on a GPU (the device check runs it)
 
 Model: Wan-2.1 blocks (real dims, synthetic bf16 weights), two rank-32 adapters A and
 B on every q/k/v/o and FFN linear, alpha 16, strength 0.8. Three copies of the model,
@@ -15,7 +16,8 @@ one per arm; every round times each arm once (order rotated), ratios within a ro
 - ``swap (copy)``: the same with restore memory ``copy`` (the merge keeps a full copy of
   each weight, like ComfyUI's backup): restore is a copy, then merge.
 - ``re-patch``: what ComfyUI's model patcher does per weight, written from its
-  documented behaviour: put the backup back, keep a full backup copy of the weight,
+  documented behaviour: put the backup back, keep a full backup copy of the weight (on
+  a GPU: on the offload device, the CPU),
   work in fp32 (``W.to(float32) + strength * alpha / rank * (up @ down)``, all fp32),
   cast back with ``.to(bf16)`` (ComfyUI's rounding for bf16 is a plain cast), set it.
 - ``dynamic``: ``LoraInjector.apply(plan of the other adapter, mode=dynamic)`` with the
@@ -23,7 +25,8 @@ one per arm; every round times each arm once (order rotated), ratios within a ro
 - ``restore`` / ``merge``: the swap timed in two parts (``unmerge_all``, then ``apply``).
 
 Times are CPU seconds of this process (``time.process_time``, robust to other jobs on a
-shared machine) at ``--threads`` (default 1). After the rounds every weight of our copy
+shared machine) at ``--threads`` (default 1); on CUDA, wall seconds with the device
+synchronised around each arm. After the rounds every weight of our copy
 is checked bit for bit against the untouched original (both restore memories). The last
 line is ``swap / re-patch: <median of per-round ratios>`` for the default (lean) restore
 memory; the line before it gives the ``copy`` one.
@@ -52,10 +55,10 @@ TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
 ALPHA, STRENGTH = 16.0, 0.8
 
 
-def make_model(cfg: WanConfig, seed: int = 0) -> WanModel:
+def make_model(cfg: WanConfig, seed: int = 0, device: str = "cpu") -> WanModel:
     with torch.device("meta"):
         m = WanModel(cfg)
-    m = m.to_empty(device="cpu").to(torch.bfloat16).eval().requires_grad_(False)
+    m = m.to_empty(device=device).to(torch.bfloat16).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
@@ -92,25 +95,36 @@ class RePatch:
     def patch(self, which: str) -> None:
         for n, layer in self.layers.items():
             w = layer.weight
-            if n not in self.backup:
-                self.backup[n] = w.detach().clone()          # the backup: a full copy of the weight
+            if n not in self.backup:   # the backup: a full copy of the weight, on the offload device
+                self.backup[n] = w.detach().to("cpu", copy=True)
             work = w.detach().to(torch.float32, copy=True)   # patches are computed in fp32
             down, up = self.factors[which][n]
-            diff = torch.mm(up.to(torch.float32), down.to(torch.float32)).reshape(work.shape)
+            diff = torch.mm(up.to(w.device, torch.float32), down.to(w.device, torch.float32)).reshape(work.shape)
             work += (self.scale * diff).to(work.dtype)
             layer.weight = torch.nn.Parameter(work.to(w.dtype), requires_grad=False)  # plain cast for bf16
 
     def unpatch(self) -> None:
         for n, layer in self.layers.items():
-            layer.weight = torch.nn.Parameter(self.backup[n], requires_grad=False)
+            layer.weight = torch.nn.Parameter(self.backup[n].to(layer.weight.device), requires_grad=False)
         self.backup.clear()
 
 
 def cpu_seconds(fn) -> float:
+    """CPU seconds of this process for fn(); on CUDA (`CLOCK` "cuda"), wall seconds, synchronised."""
     gc.collect()
+    if CLOCK == "cuda":
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
     t0 = time.process_time()
     fn()
     return time.process_time() - t0
+
+
+CLOCK = "cpu"
+UNIT = {"cpu": "CPU seconds", "cuda": "wall seconds"}
 
 
 def main(argv=None) -> None:
@@ -121,7 +135,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="5 rounds on 6 blocks (the re-patch arm alone varies by up to 1.5x between rounds here: the median wants five)")
     ap.add_argument("--smoke", action="store_true", help="tiny dims, 1 round: checks the script, times nothing real")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     a = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = a.device
     if a.quick:
         a.blocks, a.rounds = 6, 5
     cfg = WanConfig(num_layers=a.blocks)
@@ -129,12 +146,13 @@ def main(argv=None) -> None:
         a.blocks, a.rounds, a.rank = 1, 1, 4
         cfg = WanConfig(dim=64, ffn_dim=128, num_layers=1, num_heads=2, text_dim=32, freq_dim=32)
     torch.set_num_threads(a.threads)
-    model = make_model(cfg)
+    model = make_model(cfg, device=a.device)
     names = [f"blocks.{i}.{t}" for i in range(cfg.num_layers) for t in TARGETS]
     wbytes = sum(model.get_submodule(n).weight.numel() * 2 for n in names)
-    print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, {load_string()}")
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, threads {torch.get_num_threads()}"
+    print(f"# torch {torch.__version__}, {where}, {load_string()}")
     print(f"# {cfg.num_layers} blocks (dim {cfg.dim}, ffn {cfg.ffn_dim}), {len(names)} adapted bf16 linears "
-          f"({wbytes / 2**20:.0f} MiB), rank {a.rank}, {a.rounds} rounds; CPU seconds per switch", flush=True)
+          f"({wbytes / 2**20:.0f} MiB), rank {a.rank}, {a.rounds} rounds; {UNIT[CLOCK]} per switch", flush=True)
     original = {n: model.get_submodule(n).weight.detach().clone() for n in names}
     m_comfy, m_dyn, m_copy = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +208,7 @@ def main(argv=None) -> None:
     med = statistics.median
     ratio = {k: [x / y for x, y in zip(t[k], t[ref])] for k, ref in
              (("swap", "re-patch"), ("swap (copy)", "re-patch"), ("dynamic", "merge"), ("restore", "re-patch"), ("merge", "re-patch"))}
-    print(f"\n| arm | CPU s (median of {a.rounds}) | ratio (median of per-round) |")
+    print(f"\n| arm | {UNIT[CLOCK]} (median of {a.rounds}) | ratio (median of per-round) |")
     print("|---|---|---|")
     print(f"| re-patch (ComfyUI-style) | {med(t['re-patch']):.3f} | 1 |")
     print(f"| swap (restore + merge) | {med(t['swap']):.3f} | {med(ratio['swap']):.3f} x re-patch |")

@@ -1,6 +1,6 @@
 """The GPU check: one command that runs everything a lent GPU has to prove, in one go.
 
-    python bench/device_check.py --out DIR [--budget-s 450] [--dry-run] [--parts a,b,...]
+    python bench/device_check.py --out DIR [--budget-s 480] [--dry-run] [--parts a,b,...]
 
 Parts, in this order (each one reported; a failing or timed-out part is recorded and
 the next one still runs; a part whose share of the budget is gone is "skipped: budget"):
@@ -19,8 +19,12 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            PEFT-shaped eager chain, the shipped wrapper (LoraLinear lossless + GELU), and the
            backends Triton, K-concat with [W | B] cached / rebuilt per call, delta first;
            each x the best base arm of its round, and the lossless rule vs fp64 per arm
-  dit      bench/bench_dit_step.py --cfg on CUDA (Wan-2.1-1.3B dims, bf16): 1530 tokens x 30
-           blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81 frames) x 8 blocks
+  dit      bench/bench_dit_step.py --cfg on CUDA (bf16), in this order: Wan-2.1-1.3B dims at
+           1530 tokens x 30 blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81
+           frames) x 8 blocks; Wan-14B dims at 32760 tokens x 2 blocks; 1530 tokens x 30
+           blocks with every block compiled in mode reduce-overhead (CUDA graphs)
+  swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
+           and copy restore memory) vs a ComfyUI-style re-patch (backup on the CPU), 6 blocks
   compile  torch.compile of the eager chains (default mode for every kernel row's
            shape, rank 32 x 1 adapter for the LoRA chain; max-autotune-no-cudagraphs
            at M = 4096 while the budget lasts), filled into the kernel rows
@@ -30,11 +34,13 @@ pytest.log, dit<i>.log/json, tuned_<family>.json.
 
 Targets read against: best fused linear+GELU >= 1.10x faster than eager at M >= 4096;
 LoRA-aware <= 1.05x the best base arm at M >= 4096, ranks <= 64; end to end dynamic
-<= 1.04x merged per step at 32760 tokens.
+<= 1.04x merged per step at 32760 tokens (<= 1.03x with 14B dims, <= 1.15x at 1530 tokens);
+swap <= 1.0x re-patch.
 
 --dry-run (CPU, in CI): every part is planned and its inputs are built on the meta
 device, every kernel arm runs once on a tiny CPU row with its numerics, the pytest
-run is a --collect-only, the DiT bench runs its own --dry-run; nothing touches CUDA.
+run is a --collect-only, the DiT bench runs its own --dry-run, the swap bench its --smoke
+(tiny dims, on the CPU); nothing touches CUDA.
 It keeps this script from rotting between GPU sessions.
 """
 from __future__ import annotations
@@ -102,9 +108,10 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "dit": 150, "compile": 10 ** 6}
+PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "dit": 240, "swap": 40, "compile": 10 ** 6}
 PARTS = tuple(PART_CAPS)
-TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04)
+TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04,
+               dit_dynamic_x_merged_14b=1.03, dit_dynamic_x_merged_small=1.15, swap_x_repatch=1.0)
 
 
 class Budget:
@@ -460,9 +467,13 @@ def kernel_smoke() -> dict:
 
 # ---------------------------------------------------------------- dit
 
-DIT_RUNS = {  # name -> extra arguments of bench_dit_step.py
-    "1530 tokens, 30 blocks": ["--blocks", "30"],
-    "32760 tokens (480p, 81 frames), 8 blocks": ["--blocks", "8", "--latent", "16,21,60,104", "--inner", "1"],
+VIDEO = ["--latent", "16,21,60,104", "--inner", "1"]   # 480p, 81 frames: 32760 tokens
+DIT_RUNS = {  # name -> extra arguments of bench_dit_step.py, in the order they run
+    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks": ["--blocks", "30"],
+    "Wan-2.1-1.3B dims, 32760 tokens (480p, 81 frames), 8 blocks": ["--blocks", "8", *VIDEO],
+    "Wan-2.1-14B dims, 32760 tokens (480p, 81 frames), 2 blocks": ["--dims", "14b", "--blocks", "2", *VIDEO],
+    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks, compiled (reduce-overhead: CUDA graphs)": [
+        "--blocks", "30", "--compile", "reduce-overhead", "--fusion-backend", "none"],
 }
 
 
@@ -493,6 +504,33 @@ def part_dit(ctx) -> dict:
                               table=[ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "# target"))])
     failed = [n for n, r in out_runs.items() if r["status"] != "ok"]
     return dict(runs=out_runs, **({"status": "failed", "error": f"not ok: {failed}"} if failed else {}))
+
+
+# ---------------------------------------------------------------- swap
+
+def part_swap(ctx) -> dict:
+    """bench_switch.py on the GPU (6 blocks, 3 rounds); its table and ratio lines."""
+    cmd = [sys.executable, str(HERE / "bench_switch.py")]
+    cmd += ["--smoke"] if ctx.dry else ["--device", "cuda", "--blocks", "6", "--rounds", "3"]
+    log("running " + " ".join(cmd[1:]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=max(1.0, ctx.budget.for_part("swap")))
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (ctx.out / "swap.log").write_text(text)
+        raise OutOfTime("bench_switch did not finish") from None
+    text = proc.stdout + proc.stderr
+    (ctx.out / "swap.log").write_text(text)
+    if proc.returncode != 0:
+        return dict(status="failed", returncode=proc.returncode, error=text[-1500:])
+    ratios = {}
+    for ln in proc.stdout.splitlines():
+        key, sep, val = ln.rpartition(": ")
+        if sep and key in ("dynamic / merge", "swap (restore memory copy) / re-patch", "swap / re-patch"):
+            ratios[key] = float(val)
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "# restore bit-exact"))]
+    return dict(ratios=ratios, table=table, summary=", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
 
 
 # ---------------------------------------------------------------- compile
@@ -589,10 +627,14 @@ def markdown(results: dict) -> str:
         lines.append("Medians of per-round ratios; arms missing on this device: see kernels_rows[].missing.")
     for name, run in (results.get("parts", {}).get("dit", {}).get("runs") or {}).items():
         if run.get("table"):
-            lines += ["", f"## DiT step, Wan-2.1-1.3B dims, {name} (bench_dit_step.py --cfg)", ""] + run["table"]
+            lines += ["", f"## DiT step, {name} (bench_dit_step.py --cfg)", ""] + run["table"]
             fused = run.get("fused_sites")
             if fused:
                 lines.append(f"\nfusion sites mounted: {fused}")
+    swap = results.get("parts", {}).get("swap", {})
+    if swap.get("table"):
+        lines += ["", "## Adapter swap A → B vs a ComfyUI-style re-patch (bench_switch.py --device cuda)", ""]
+        lines += swap["table"]
     crow = results.get("compile_rows", [])
     if crow and not crow[0].get("planned"):
         lines += ["", "## torch.compile baselines (× ours fused, same run)", "",
@@ -621,7 +663,7 @@ class Ctx:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budget-s", type=float, default=450.0, help="total seconds for all parts")
+    p.add_argument("--budget-s", type=float, default=480.0, help="total seconds for all parts")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per arm")
     p.add_argument("--dry-run", action="store_true", help="plan every part and build its inputs; no CUDA")
@@ -635,7 +677,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, Budget(args.budget_s), args.dry_run, args.repeats)
     funcs = dict(env=part_env, tests=part_tests, tune=part_tune, kernels=part_kernels, dit=part_dit,
-                 compile=part_compile)
+                 swap=part_swap, compile=part_compile)
     for name in PARTS:
         if name not in wanted and name != "env":
             continue

@@ -14,7 +14,7 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "device_check.json").read_text())
     parts = res["parts"]
-    assert list(parts) == ["env", "tests", "tune", "kernels", "dit", "compile"]
+    assert list(parts) == ["env", "tests", "tune", "kernels", "dit", "swap", "compile"]
     bad = {k: v.get("error") for k, v in parts.items() if v["status"] != "ok"}
     assert not bad, bad
     assert "collected" in parts["tests"]["summary"] and parts["tests"]["returncode"] == 0
@@ -33,8 +33,16 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
         "delta_first_r32x3"}
     assert all(0.9 < st["vs_base_x_effect"] < 1.1 for a, st in smoke["numerics"].items() if "_r" in a)
     runs = list(parts["dit"]["runs"].values())
-    assert [r["tokens"] for r in runs] == [1530, 32760] and [r["blocks"] for r in runs] == [30, 8]
+    assert [r["tokens"] for r in runs] == [1530, 32760, 32760, 1530] and [r["blocks"] for r in runs] == [30, 8, 2, 30]
     assert all(r["batches"] == [1, 2] for r in runs)
+    assert [(r["dims"], r["dim"], r["compile"]) for r in runs] == [
+        ("1.3b", 1536, None), ("1.3b", 1536, None), ("14b", 5120, None), ("1.3b", 1536, "reduce-overhead")]
+    assert [r["target"] for r in runs] == [1.15, 1.04, 1.03, 1.15]
+    assert runs[3]["arms"] == ["none", "merged", "dynamic", "peft"]
+    # the swap bench ran at smoke size and its three ratio lines were read
+    assert set(parts["swap"]["ratios"]) == {"dynamic / merge", "swap (restore memory copy) / re-patch",
+                                            "swap / re-patch"}
+    assert any("restore bit-exact over every weight after 3 merges: True" in ln for ln in parts["swap"]["table"])
     assert len(res["compile_rows"]) == 9 + 3
     table = json.loads((tmp_path / "tuned_dry-run.json").read_text())
     assert len(table["entries"]) == 24
