@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         n_peft = to_peft(models["peft"], tensors, args.rank)
         compiled = args.compile is not None
         if compiled:  # in place, per block: one graph per block kind, reused over the blocks
+            # the four arms are four versions of the one block function (and one more set per batch
+            # size): keep them all compiled rather than let the default limit (8) fall back to eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for n in arm_names(True):
                 for blk in models[n].blocks:
                     blk.compile(mode=args.compile, dynamic=False)

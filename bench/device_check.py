@@ -19,10 +19,11 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            PEFT-shaped eager chain, the shipped wrapper (LoraLinear lossless + GELU), and the
            backends Triton, K-concat with [W | B] cached / rebuilt per call, delta first;
            each x the best base arm of its round, and the lossless rule vs fp64 per arm
-  dit      bench/bench_dit_step.py --cfg on CUDA (bf16), in this order: Wan-2.1-1.3B dims at
-           1530 tokens x 30 blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81
-           frames) x 8 blocks; Wan-14B dims at 32760 tokens x 2 blocks; 1530 tokens x 30
-           blocks with every block compiled in mode reduce-overhead (CUDA graphs)
+  dit      bench/bench_dit_step.py on CUDA (bf16), in this order: Wan-2.1-1.3B dims at 1530
+           tokens x 30 blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81 frames)
+           x 8 blocks; Wan-14B dims at 32760 tokens x 2 blocks (these three with --cfg: batch
+           1 and 2); 1530 tokens x 30 blocks, batch 1, with every block compiled in mode
+           reduce-overhead (CUDA graphs)
   swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
            and copy restore memory) vs a ComfyUI-style re-patch (backup on the CPU), 6 blocks
   compile  torch.compile of the eager chains (default mode for every kernel row's
@@ -468,11 +469,12 @@ def kernel_smoke() -> dict:
 # ---------------------------------------------------------------- dit
 
 VIDEO = ["--latent", "16,21,60,104", "--inner", "1"]   # 480p, 81 frames: 32760 tokens
-DIT_RUNS = {  # name -> extra arguments of bench_dit_step.py, in the order they run
-    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks": ["--blocks", "30"],
-    "Wan-2.1-1.3B dims, 32760 tokens (480p, 81 frames), 8 blocks": ["--blocks", "8", *VIDEO],
-    "Wan-2.1-14B dims, 32760 tokens (480p, 81 frames), 2 blocks": ["--dims", "14b", "--blocks", "2", *VIDEO],
-    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks, compiled (reduce-overhead: CUDA graphs)": [
+DIT_RUNS = {  # name -> arguments of bench_dit_step.py, in the order they run (--cfg: batch 1 and 2)
+    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks": ["--cfg", "--blocks", "30"],
+    "Wan-2.1-1.3B dims, 32760 tokens (480p, 81 frames), 8 blocks": ["--cfg", "--blocks", "8", *VIDEO],
+    "Wan-2.1-14B dims, 32760 tokens (480p, 81 frames), 2 blocks": ["--cfg", "--dims", "14b", "--blocks", "2", *VIDEO],
+    # batch 1 only: each batch size is one more compile of every arm
+    "Wan-2.1-1.3B dims, 1530 tokens, 30 blocks, compiled (reduce-overhead: CUDA graphs), batch 1": [
         "--blocks", "30", "--compile", "reduce-overhead", "--fusion-backend", "none"],
 }
 
@@ -481,7 +483,7 @@ def part_dit(ctx) -> dict:
     out_runs, deadline = {}, time.monotonic() + ctx.budget.for_part("dit")
     for i, (name, extra) in enumerate(DIT_RUNS.items()):
         js = ctx.out / f"dit{i}.json"
-        cmd = [sys.executable, str(HERE / "bench_dit_step.py"), "--cfg", "--json", str(js), *extra]
+        cmd = [sys.executable, str(HERE / "bench_dit_step.py"), "--json", str(js), *extra]
         cmd += ["--dry-run"] if ctx.dry else ["--device", "cuda", "--repeats", str(max(3, ctx.repeats))]
         log("running " + " ".join(cmd[1:]))
         left = deadline - time.monotonic()
@@ -627,7 +629,7 @@ def markdown(results: dict) -> str:
         lines.append("Medians of per-round ratios; arms missing on this device: see kernels_rows[].missing.")
     for name, run in (results.get("parts", {}).get("dit", {}).get("runs") or {}).items():
         if run.get("table"):
-            lines += ["", f"## DiT step, {name} (bench_dit_step.py --cfg)", ""] + run["table"]
+            lines += ["", f"## DiT step, {name} (bench_dit_step.py)", ""] + run["table"]
             fused = run.get("fused_sites")
             if fused:
                 lines.append(f"\nfusion sites mounted: {fused}")
