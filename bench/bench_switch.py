@@ -109,7 +109,7 @@ class RePatch:
         self.backup.clear()
 
 
-def cpu_seconds(fn) -> float:
+def arm_seconds(fn) -> float:
     """CPU seconds of this process for fn(); on CUDA (`CLOCK` "cuda"), wall seconds, synchronised."""
     gc.collect()
     if CLOCK == "cuda":
@@ -166,10 +166,10 @@ def main(argv=None) -> None:
             plans[which, "copy"] = plan(model, spec, mode="merge", restore="copy")
         ours, dyn, comfy = LoraInjector(model), LoraInjector(m_dyn), RePatch(m_comfy, names, factors, a.rank)
         ours_copy = LoraInjector(m_copy)
-        first = {"merge": cpu_seconds(lambda: ours.apply(plans["A", "merge"])),
-                 "merge (copy)": cpu_seconds(lambda: ours_copy.apply(plans["A", "copy"])),
-                 "dynamic": cpu_seconds(lambda: dyn.apply(plans["A", "dynamic"])),
-                 "re-patch": cpu_seconds(lambda: comfy.patch("A"))}
+        first = {"merge": arm_seconds(lambda: ours.apply(plans["A", "merge"])),
+                 "merge (copy)": arm_seconds(lambda: ours_copy.apply(plans["A", "copy"])),
+                 "dynamic": arm_seconds(lambda: dyn.apply(plans["A", "dynamic"])),
+                 "re-patch": arm_seconds(lambda: comfy.patch("A"))}
         print("# first apply of A: " + ", ".join(f"{k} {v:.2f}s" for k, v in first.items()), flush=True)
         cur = {"swap": "A", "swap (copy)": "A", "re-patch": "A", "dynamic": "A", "split": "A"}
 
@@ -178,9 +178,9 @@ def main(argv=None) -> None:
             return cur[arm]
 
         def split() -> tuple[float, float]:  # restore alone, then merge alone (same copy as swap)
-            r = cpu_seconds(ours.unmerge_all)
+            r = arm_seconds(ours.unmerge_all)
             which = flip("swap")
-            return r, cpu_seconds(lambda: ours.apply(plans[which, "merge"]))
+            return r, arm_seconds(lambda: ours.apply(plans[which, "merge"]))
 
         def repatch():
             comfy.unpatch()
@@ -199,7 +199,7 @@ def main(argv=None) -> None:
                     t["restore"].append(rs)
                     t["merge"].append(mg)
                 else:
-                    t[k].append(cpu_seconds(arms[k]))
+                    t[k].append(arm_seconds(arms[k]))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in t.items()), flush=True)
         ours.clear()
         ours_copy.clear()
