@@ -69,6 +69,13 @@ def assets(comfy, reference):
     return comfy
 
 
+def model_and_lora(comfy, reference, lora: str, seed: int):
+    """The reference model and one rank-4 kohya LoRA (alpha 4) named `lora` in ComfyUI's folders."""
+    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
+    write_kohya_lora(comfy.loras_dir / lora, seed=seed, rank=4, alpha=4)
+    return comfy
+
+
 # ---------------------------------------------------------------------------
 # prompts
 # ---------------------------------------------------------------------------
@@ -105,6 +112,12 @@ class Prompt:
         if tier is not None:
             model = self.node(str(base + 10), "LoraRuntimeQualityTier", model=model, tier=tier)
         return model
+
+    def chain(self, nid, lora, *, model=("1", 0), strength=1.0, mode="dynamic", tier="exact", **loader) -> list:
+        """Load LoRA Adapter (node nid, `loader`: its other inputs) -> Merge Mode (nid+1) -> Quality Tier (nid+2)."""
+        m = self.node(nid, "LoraRuntimeLoadAdapter", model=list(model), lora_name=lora, strength=strength, **loader)
+        m = self.node(str(int(nid) + 1), "LoraRuntimeMergeMode", model=m, mode=mode)
+        return self.node(str(int(nid) + 2), "LoraRuntimeQualityTier", model=m, tier=tier)
 
     def comfy_lora(self, nid, model, name, strength=1.0) -> list:
         return self.node(nid, "LoraLoaderModelOnly", model=model, lora_name=name, strength_model=strength)

@@ -9,14 +9,12 @@
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from safetensors.torch import load_file
 
-from test_any_sampler_real import (MODEL, SETTINGS, Prompt, assert_bitwise, assert_changed, rel_diff, reports_sent,
-                                   run)
-from testkit.lora_assets import save_adapter_file, write_kohya_lora
+from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, model_and_lora, rel_diff,
+                                   reports_sent, run)
+from testkit.lora_assets import save_adapter_file
 
 LORA, EDITED = "it_blocks_style.safetensors", "it_blocks_style_edited.safetensors"
 FILTER = "0: 0.5, !cross_attn"
@@ -29,8 +27,7 @@ def cond_class(comfy):
 
 @pytest.fixture(scope="module")
 def blocks_assets(comfy, reference):
-    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
-    write_kohya_lora(comfy.loras_dir / LORA, seed=103, rank=4, alpha=4)
+    model_and_lora(comfy, reference, LORA, seed=103)
     sd = load_file(str(comfy.loras_dir / LORA))
     edited = {}
     for k, v in sd.items():
@@ -42,9 +39,7 @@ def blocks_assets(comfy, reference):
 
 
 def _ours(p: Prompt, nid: str, lora=LORA, mode="dynamic", **inputs) -> list:
-    m = p.node(nid, "LoraRuntimeLoadAdapter", model=["1", 0], lora_name=lora, strength=0.8, **inputs)
-    m = p.node(str(int(nid) + 1), "LoraRuntimeMergeMode", model=m, mode=mode)
-    return p.node(str(int(nid) + 2), "LoraRuntimeQualityTier", model=m, tier="exact")
+    return p.chain(nid, lora, strength=0.8, mode=mode, **inputs)
 
 
 def test_block_filter_in_comfyui_equals_the_hand_edited_file(blocks_assets, cond_class):

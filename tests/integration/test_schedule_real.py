@@ -17,13 +17,10 @@ what ComfyUI itself can build:
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from test_any_sampler_real import (MODEL, SETTINGS, Prompt, assert_bitwise, assert_changed,
-                                   assert_psnr, psnr, reports_sent, run)
-from testkit.lora_assets import write_kohya_lora
+from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, assert_psnr, model_and_lora, psnr,
+                                   reports_sent, run)
 
 LORA = "it_sched_style.safetensors"
 
@@ -35,16 +32,11 @@ def cond_class(comfy):
 
 @pytest.fixture(scope="module")
 def sched_assets(comfy, reference):
-    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
-    write_kohya_lora(comfy.loras_dir / LORA, seed=101, rank=4, alpha=4)
-    return comfy
+    return model_and_lora(comfy, reference, LORA, seed=101)
 
 
 def _ours(p: Prompt, nid: str, schedule="", branch="both", strength=1.0, model=("1", 0)) -> list:
-    m = p.node(nid, "LoraRuntimeLoadAdapter", model=list(model), lora_name=LORA, strength=strength,
-               strength_schedule=schedule, branch=branch)
-    m = p.node(str(int(nid) + 1), "LoraRuntimeMergeMode", model=m, mode="dynamic")
-    return p.node(str(int(nid) + 2), "LoraRuntimeQualityTier", model=m, tier="exact")
+    return p.chain(nid, LORA, model=model, strength=strength, strength_schedule=schedule, branch=branch)
 
 
 def _two_stage_split(p: Prompt, nid: str, first_model, second_model, half: int):
