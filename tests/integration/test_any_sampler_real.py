@@ -38,11 +38,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from testkit.lora_assets import BLOCKS, LATENT_TAG, MODEL, _wan_modules, psnr, sampling_graph, write_kohya_lora
+from testkit.lora_assets import (BLOCKS, LATENT_TAG, MODEL, STYLE_A, STYLE_B, _wan_modules, install_style_pair, psnr,
+                                 sampling_graph, write_kohya_lora)
 from safetensors.torch import load as load_safetensors_bytes
 
-LORA_A = "it_style_a.safetensors"     # the style adapter test_workflows_real.py writes (rank 4, alpha 4, fp32)
-LORA_B = "it/it_style_b.safetensors"  # rank 8, alpha 4, bf16, in a subfolder (same as there)
+LORA_A, LORA_B = STYLE_A, STYLE_B     # the style adapters test_workflows_real.py writes too
 LORA_PART = "it_any_comfy_part.safetensors"  # 5 of the 20 layers: ComfyUI's LoRA overlaps ours only there
 N_LAYERS = 4 * 2 * BLOCKS + 2 * BLOCKS  # 20 Linear layers an adapter covers
 MIN_PSNR = 40.0
@@ -61,18 +61,9 @@ _counter = itertools.count()
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def assets(comfy, reference):
-    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
-    write_kohya_lora(comfy.loras_dir / LORA_A, seed=101, rank=4, alpha=4)
-    write_kohya_lora(comfy.loras_dir / LORA_B, seed=202, rank=8, alpha=4, dtype=torch.bfloat16)
+    install_style_pair(comfy, reference)
     part = [m for m in _wan_modules() if m[0].startswith("blocks.0.self_attn.") or m[0] == "blocks.1.ffn.0"]
     write_kohya_lora(comfy.loras_dir / LORA_PART, seed=505, rank=4, alpha=4, modules=part)
-    return comfy
-
-
-def model_and_lora(comfy, reference, lora: str, seed: int):
-    """The reference model and one rank-4 kohya LoRA (alpha 4) named `lora` in ComfyUI's folders."""
-    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
-    write_kohya_lora(comfy.loras_dir / lora, seed=seed, rank=4, alpha=4)
     return comfy
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, model_and_lora, rel_diff,
+from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, rel_diff,
                                    reports_sent, run)
-from testkit.lora_assets import save_adapter_file
+from testkit.lora_assets import install_model_and_lora, save_adapter_file
 
 LORA, EDITED = "it_blocks_style.safetensors", "it_blocks_style_edited.safetensors"
 FILTER = "0: 0.5, !cross_attn"
@@ -27,7 +27,7 @@ def cond_class(comfy):
 
 @pytest.fixture(scope="module")
 def blocks_assets(comfy, reference):
-    model_and_lora(comfy, reference, LORA, seed=103)
+    install_model_and_lora(comfy, reference, LORA, seed=103)
     sd = load_file(str(comfy.loras_dir / LORA))
     edited = {}
     for k, v in sd.items():

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, assert_psnr, model_and_lora, psnr,
+from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, assert_psnr, psnr,
                                    reports_sent, run)
+from testkit.lora_assets import install_model_and_lora
 
 LORA = "it_sched_style.safetensors"
 
@@ -32,7 +33,7 @@ def cond_class(comfy):
 
 @pytest.fixture(scope="module")
 def sched_assets(comfy, reference):
-    return model_and_lora(comfy, reference, LORA, seed=101)
+    return install_model_and_lora(comfy, reference, LORA, seed=101)
 
 
 def _ours(p: Prompt, nid: str, schedule="", branch="both", strength=1.0, model=("1", 0)) -> list:

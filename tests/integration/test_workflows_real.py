@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import shutil
 import time
 
 import pytest
 import torch
-from testkit.lora_assets import DIM, save_adapter_file, write_kohya_lora
+from testkit.lora_assets import DIM, STYLE_A, STYLE_B, install_style_pair, save_adapter_file, write_kohya_lora
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
 MODEL = "tiny_wan_d128_l2.safetensors"
-LORA_A = "it_style_a.safetensors"   # rank 4, alpha 4, float32
-LORA_B = "it/it_style_b.safetensors"  # rank 8, alpha 4 (scale 0.5), bf16, in a subfolder
+LORA_A, LORA_B = STYLE_A, STYLE_B     # rank 4 / alpha 4 fp32; rank 8 / alpha 4 (scale 0.5) bf16 in a subfolder
 LORA_FLUX = "it_flux_only.safetensors"  # keys for a Flux model: matches no layer here
 REF_ATOL = 1e-4
 BUNDLED_ATOL = 1e-4
@@ -44,9 +42,7 @@ _counter = itertools.count()
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def assets(comfy, reference):
-    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
-    write_kohya_lora(comfy.loras_dir / LORA_A, seed=101, rank=4, alpha=4)
-    write_kohya_lora(comfy.loras_dir / LORA_B, seed=202, rank=8, alpha=4, dtype=torch.bfloat16)
+    install_style_pair(comfy, reference)
     write_kohya_lora(comfy.loras_dir / LORA_FLUX, seed=303, rank=4, alpha=4,
                      modules=[("double_blocks.0.img_attn.qkv", 3072, 9216)])
     return comfy

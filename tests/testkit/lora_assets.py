@@ -1,6 +1,7 @@
 """Adapter files the integration tests write: the reference tiny Wan's 20 Linear layers,
 kohya keys, a fixed generator per seed (same seed -> same tensors in every test file)."""
 import math
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -261,3 +262,22 @@ def dora_as_diff(sd, model_path, convention):
             n = wc.norm(dim=0, keepdim=True)
         out[f"{stem}.diff"] = wc * (m / (n + eps)) - w
     return out
+
+
+STYLE_A = "it_style_a.safetensors"     # rank 4, alpha 4, float32
+STYLE_B = "it/it_style_b.safetensors"  # rank 8, alpha 4 (scale 0.5), bf16, in a subfolder
+
+
+def install_model_and_lora(comfy, reference, lora: str, seed: int):
+    """The reference tiny Wan checkpoint and one rank-4 kohya LoRA (alpha 4) named `lora` in the
+    folders of a ComfyUI under test (`comfy.diffusion_models_dir`, `comfy.loras_dir`)."""
+    shutil.copyfile(reference / MODEL, comfy.diffusion_models_dir / MODEL)
+    write_kohya_lora(comfy.loras_dir / lora, seed=seed, rank=4, alpha=4)
+    return comfy
+
+
+def install_style_pair(comfy, reference):
+    """`install_model_and_lora` with STYLE_A, and STYLE_B beside it."""
+    install_model_and_lora(comfy, reference, STYLE_A, seed=101)
+    write_kohya_lora(comfy.loras_dir / STYLE_B, seed=202, rank=8, alpha=4, dtype=torch.bfloat16)
+    return comfy
