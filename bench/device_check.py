@@ -109,7 +109,7 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "dit": 240, "swap": 40, "compile": 10 ** 6}
+PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "dit": 300, "swap": 40, "compile": 10 ** 6}
 PARTS = tuple(PART_CAPS)
 TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04,
                dit_dynamic_x_merged_14b=1.03, dit_dynamic_x_merged_small=1.15, swap_x_repatch=1.0)
