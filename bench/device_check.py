@@ -19,13 +19,13 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            PEFT-shaped eager chain, the shipped wrapper (LoraLinear lossless + GELU), and the
            backends Triton, K-concat with [W | B] cached / rebuilt per call, delta first;
            each x the best base arm of its round, and the lossless rule vs fp64 per arm
+  swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
+           and copy restore memory) vs a ComfyUI-style re-patch (backup on the CPU), 6 blocks
   dit      bench/bench_dit_step.py on CUDA (bf16), in this order: Wan-2.1-1.3B dims at 1530
            tokens x 30 blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81 frames)
            x 8 blocks; Wan-14B dims at 32760 tokens x 2 blocks (these three with --cfg: batch
            1 and 2); 1530 tokens x 30 blocks, batch 1, with every block compiled in mode
            reduce-overhead (CUDA graphs)
-  swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
-           and copy restore memory) vs a ComfyUI-style re-patch (backup on the CPU), 6 blocks
   compile  torch.compile of the eager chains (default mode for every kernel row's
            shape, rank 32 x 1 adapter for the LoRA chain; max-autotune-no-cudagraphs
            at M = 4096 while the budget lasts), filled into the kernel rows
@@ -109,7 +109,7 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "dit": 300, "swap": 40, "compile": 10 ** 6}
+PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "dit": 300, "compile": 10 ** 6}
 PARTS = tuple(PART_CAPS)
 TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04,
                dit_dynamic_x_merged_14b=1.03, dit_dynamic_x_merged_small=1.15, swap_x_repatch=1.0)

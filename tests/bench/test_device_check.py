@@ -14,7 +14,7 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "device_check.json").read_text())
     parts = res["parts"]
-    assert list(parts) == ["env", "tests", "tune", "kernels", "dit", "swap", "compile"]
+    assert list(parts) == ["env", "tests", "tune", "kernels", "swap", "dit", "compile"]
     bad = {k: v.get("error") for k, v in parts.items() if v["status"] != "ok"}
     assert not bad, bad
     assert "collected" in parts["tests"]["summary"] and parts["tests"]["returncode"] == 0
