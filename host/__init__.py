@@ -16,6 +16,8 @@ functions, so node code never cares which host runs it:
   once per model call, whose transformer_options carry that call's ``sigmas`` and
   ``cond_or_uncond`` (strength schedules, branches). Both hosts' patchers have the same
   wrapper API; only the hook names come from the host;
+- `requant_seed(layer)`: the host's stochastic-rounding seed for a merge into a quantized weight
+  (0: round to nearest);
 - `send_report(report)`: a runtime report for the node that is executing (the web
   extension shows it on that node; the bundled host hands it to its listeners).
 """
@@ -37,12 +39,12 @@ REAL_COMFYUI = _real_comfyui_present()
 if REAL_COMFYUI:
     from .comfy_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                              apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
-                             scheduler_names, send_report)
+                             requant_seed, scheduler_names, send_report)
     NAME = "comfyui"
 else:
     from .bundled_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                                apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
-                               scheduler_names, send_report)
+                               requant_seed, scheduler_names, send_report)
     NAME = "bundled"
 
 

@@ -54,3 +54,8 @@ def apply_clip_lora(clip, adapter, strength: float):
         if s not in applied and s not in skipped:
             skipped[s] = "the CLIP did not take the patch"
     return new, applied, skipped
+
+
+def requant_seed(layer: str) -> int:
+    """The bundled host re-quantizes a merged weight by rounding to nearest (seed 0)."""
+    return 0

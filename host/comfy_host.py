@@ -105,3 +105,12 @@ def apply_clip_lora(clip, adapter, strength: float):
             skipped[stem] = ("no such layer in this CLIP (ComfyUI's key map for it has no entry)" if not own
                              else "this CLIP did not take the patch")
     return new, applied, skipped
+
+
+def requant_seed(layer: str) -> int:
+    """ComfyUI's stochastic-rounding seed for a merge into the quantized weight of `layer` (a
+    module name inside the diffusion model), as its own LoRA merge seeds it."""
+    import comfy.model_patcher
+    import comfy.utils
+    fn = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed  # 0.33 / 0.3.x
+    return int(fn(f"diffusion_model.{layer}.weight"))

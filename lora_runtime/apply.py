@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from torch import nn
 
@@ -85,6 +86,8 @@ class Plan:
     # patches that weight itself and may restore its own backup into it mid-sampling)
     merge_refusals: dict[str, str] = field(default_factory=dict)
     restore: RestoreMemory = DEFAULT_RESTORE_MEMORY   # what a merge keeps to restore the weight
+    # module name -> the host's stochastic-rounding seed for a merge into a quantized weight (None: 0)
+    requant_seed: "Callable[[str], int] | None" = None
 
     def modules(self) -> list[str]:
         """Modules that get a wrapper (parameter deltas are not modules)."""
@@ -256,6 +259,7 @@ class LoraInjector:
             w.merge_refusal = p.merge_refusals.get(name, "")
             w.restore_copy = p.restore is RestoreMemory.COPY
             w.merge_tier = p.tier
+            w.requant_seed = p.requant_seed(name) if p.requant_seed is not None else 0
             w.set_slots([(pa.name, la, pa.strength_of(name), pa.spec.enabled, pa.adapter.content_hash)
                          for pa, la in entries])
         wrappers = [self.wrappers[n] for n in wanted]

@@ -30,12 +30,15 @@ Contract
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 
 from .. import host
 from ..lora_runtime import applied, compile_watch, plan
+from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
+from ..lora_runtime.layer.wrapper import attached_wrapper
 from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for
@@ -43,6 +46,16 @@ from .caches import ADAPTERS, decision_cache_for
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "comfyui_lora_runtime"
+_FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_first_call", default=None)
+
+
+class _FirstCall:
+    """The ran check of one sampling: done on its first model call (ran_guard)."""
+
+    def __init__(self, dm):
+        self.dm = dm
+        self.done = False
+        self.findings: list[dict] = []
 _REPORT_ATTR = "_lora_runtime_report"
 
 
@@ -97,17 +110,24 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     dm = patcher.get_model_object("diffusion_model")
     p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
     p.merge_refusals = host_patched_layers(patcher)
+    p.requant_seed = host.requant_seed
     schedules = _schedules(p, sigmas, patcher)  # a malformed schedule fails here, before anything is applied
     t0 = time.perf_counter()
+    first = _FirstCall(dm)
     with applied(dm, p, cache=decision_cache_for(dm)) as applied_report, sampling_schedules(schedules):
         t_sample = time.perf_counter()
         graphs = compile_watch.graphs_compiled()
-        out = executor(*args, **kwargs)
+        token = _FIRST_CALL.set(first)
+        try:
+            out = executor(*args, **kwargs)
+        finally:
+            _FIRST_CALL.reset(token)
         graphs = compile_watch.graphs_compiled() - graphs
         sample_seconds = time.perf_counter() - t_sample
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
                          host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules,
-                         graphs_compiled=graphs, clip=report_mod.clip_lines(want.adapters))
+                         graphs_compiled=graphs, clip=report_mod.clip_lines(want.adapters),
+                         ran_check=first.findings)
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))
@@ -138,5 +158,11 @@ def apply_model_wrapper(executor, *args, **kwargs):
     if sigma is None and len(args) > 1:
         sigma = args[1]
     cond_or_uncond = opts.get("cond_or_uncond") if isinstance(opts, dict) else None
+    first = _FIRST_CALL.get()
     with model_call_context(args[0], sigma, cond_or_uncond):
-        return executor(*args, **kwargs)
+        if first is None or first.done:
+            return executor(*args, **kwargs)
+        first.done = True  # did every adapted layer run? (a host path may skip a layer's forward)
+        wrappers = [w for m in first.dm.modules() for w in [attached_wrapper(m)] if w is not None]
+        out, first.findings = ran_guard.first_call(lambda: executor(*args, **kwargs), wrappers, first.dm)
+        return out

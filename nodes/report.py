@@ -15,7 +15,8 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.sche
 
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
-          steps: int, schedules=None, graphs_compiled: int = 0, clip: dict[str, str] | None = None) -> dict:
+          steps: int, schedules=None, graphs_compiled: int = 0, clip: dict[str, str] | None = None,
+          ran_check: list[dict] | None = None) -> dict:
     """The report of one run. ``clip``: planned adapter name -> what a model + CLIP loader did
     with that file's text-encoder layers (shown instead of "not applied: this node patches the
     model only")."""
@@ -40,6 +41,7 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
     compiled = compile_watch.report_entry(graphs_compiled)
     return {
         **({"compile": compiled} if compiled else {}),
+        **({"ran_check": list(ran_check)} if ran_check else {}),
         "host": host,
         "mode_requested": mode,
         "tier": tier,
@@ -101,6 +103,7 @@ def text(r: dict) -> str:
                                                        f"applied: {a['schedule_applied']}") if x))
         if a.get("blocks"):
             lines.append("    " + blocks_text(a["blocks"]))
+    lines.extend(ran_check_lines(r.get("ran_check") or []))
     if r.get("params"):
         worst = max(r["params"], key=lambda p: p["share_lost"])
         lines.append(f"  {len(r['params'])} norm/modulation parameters merged (no forward of their own; "
@@ -119,6 +122,21 @@ def text(r: dict) -> str:
         lines.append(f"  {r['compile']['message']}")
     lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)
+
+
+def ran_check_lines(findings: list[dict]) -> list[str]:
+    """One line per outcome of the first model call's check that every adapted layer ran."""
+    groups: dict[str, list[dict]] = {}
+    for f in findings:
+        groups.setdefault(f["handled"], []).append(f)
+    out = []
+    for handled, fs in groups.items():
+        names = ", ".join(f["layer"] for f in fs[:4]) + (f" and {len(fs) - 4} more" if len(fs) > 4 else "")
+        if handled == "not checked":
+            out.append(f"  layers ran: {fs[0]['why']}")
+        else:
+            out.append(f"  {len(fs)} adapted layer{'s' if len(fs) != 1 else ''} {handled} ({names}): {fs[0]['why']}")
+    return out
 
 
 def backend_calls(sites: list) -> list[tuple[str, int]]:

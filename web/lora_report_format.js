@@ -329,6 +329,37 @@ export const formatCompile = safe((compile) => {
   return null;
 }, null);
 
+/**
+ * The first model call's check that every adapted layer ran: layers the host computes from their
+ * weight without calling them (their adapters then ride the host's cast-time patch), and layers
+ * that did not run. null when the report has no `ran_check` entry (every adapted layer ran).
+ */
+export const formatRanCheck = safe((findings) => {
+  const fs = list(findings).filter(isObj);
+  if (!fs.length) return null;
+  const groups = new Map();
+  for (const f of fs) {
+    const h = str(f.handled, "?");
+    if (!groups.has(h)) groups.set(h, []);
+    groups.get(h).push(f);
+  }
+  const parts = [];
+  const title = [];
+  let level = "info";
+  for (const [handled, g] of groups) {
+    if (handled === "not checked") {
+      parts.push("layers ran: not checked");
+    } else {
+      parts.push(`${g.length} layer${g.length === 1 ? "" : "s"} ${handled}`);
+      if (handled === "did not run") level = "warn";
+    }
+    title.push(`${handled}: ${str(g[0].why)}`);
+    for (const f of g.slice(0, 8)) if (str(f.layer) !== "*") title.push(`  • ${str(f.layer)}`);
+    if (g.length > 8) title.push(`  … and ${g.length - 8} more`);
+  }
+  return { text: (level === "warn" ? "⚠ " : "") + parts.join(" · "), level, title: title.join("\n") };
+}, null);
+
 /** Patch time and seconds per step; null when the report has no timings. */
 export const formatTimings = safe((report) => {
   const r = isObj(report) ? report : {};
@@ -461,6 +492,9 @@ export const formatReport = safe(
         title: "Quality tier and merge mode the sampler ran with.",
       });
     }
+
+    const ranCheck = formatRanCheck(report.ran_check);
+    if (ranCheck) out.push({ key: "ran_check", ...ranCheck });
 
     const compiled = formatCompile(report.compile);
     if (compiled) out.push({ key: "compile", ...compiled });

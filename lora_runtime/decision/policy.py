@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
-from ..layer.base_weight import float_view
+from ..layer.base_weight import float_view, quant_layout
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import LoraLinear, mergeable
@@ -134,7 +134,7 @@ def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None
             return None
         wk = weight_keys.get(w.layer_name) if weight_keys is not None else None
         if wk is None:
-            wk = content_key(w.weight2d)
+            wk = (content_key(w.weight2d), quant_layout(w.weight))  # a quantized weight: its grid too
             if weight_keys is not None:
                 weight_keys[w.layer_name] = wk
         parts.append((w.layer_name, wk, s.content_hash, s.layer.stem, s.strength, s.update.alpha, w.merge_folds))
@@ -187,8 +187,10 @@ class _SequentialEstimate:
         self.rows = {}
         for w in wrappers:
             weight = w.weight2d.detach()
-            sel = _sample_rows(weight.shape[0], weight.device, max_rows)
-            self.rows[w.layer_name] = (w, sel, weight[sel].float(), weight.dtype)
+            # a quantized weight is measured on its layout's grid, over every row (its scale may span
+            # the tensor); a float weight on an even sample of rows, rounded to its dtype
+            sel = slice(None) if w.quantized else _sample_rows(weight.shape[0], weight.device, max_rows)
+            self.rows[w.layer_name] = (w, sel, weight[sel].float(), None if w.quantized else weight.dtype)
 
     @torch.no_grad()
     def share(self, name: str) -> tuple[float, dict]:
@@ -201,12 +203,12 @@ class _SequentialEstimate:
                 continue
             d = w.delta_rows(sel, [s])
             exact = cur + d
-            rounded = exact.to(dtype).float()
+            rounded = w.grid_round(exact) if dtype is None else exact.to(dtype).float()
             bad = ~torch.isfinite(rounded) & torch.isfinite(cur)
             if bad.any():
                 raise NonFiniteMergeError(
-                    f"adapter {name}: on layer {layer} its update takes the {dtype} weight past the largest "
-                    f"{dtype} value (e.g. {float(exact[bad][0]):.4g}); merged or not, this gives inf/NaN. Lower its "
+                    f"adapter {name}: on layer {layer} its update takes the {dtype or 'quantized'} weight past the "
+                    f"largest {dtype or 'representable'} value (e.g. {float(exact[bad][0]):.4g}); merged or not, this gives inf/NaN. Lower its "
                     "strength, or load the model in bf16/fp32")
             err += float((rounded - exact).double().pow(2).sum())
             ref += float(d.double().pow(2).sum())

@@ -26,7 +26,7 @@ from ..errors import AdapterFormatError, AdapterMatchError, LoraRuntimeError
 from . import dialects
 from .key_formats import guess_family, split_key
 from ..updates.param_delta import ParamDelta
-from ..layer.base_weight import real_shape
+from ..layer.base_weight import adapter_kind, real_shape
 from . import conv_tucker, param_names, scale_sources, text_encoder_keys
 from .. import updates
 from .safetensors_file import load_safetensors, read_header
@@ -400,32 +400,20 @@ def _format_of(key: str, part: str) -> str:
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Name -> module for every Linear-like module, seen through LoRA wrappers."""
+    """Name -> module for every Linear-like module (`adapter_kind`), seen through LoRA wrappers."""
     out: dict[str, nn.Module] = {}
     for name, mod in model.named_modules():
         if getattr(mod, "is_lora_wrapper", False):
             out[name] = mod
-        elif isinstance(mod, nn.Linear) and not name.endswith(".base_layer"):
+        elif not name.endswith(".base_layer") and adapter_kind(mod)[0] == "linear":
             out[name] = mod
     return out
 
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
 def target_kind(module: nn.Module | None) -> str:
     """'linear', 'conv', 'norm' (a module with a 1-D weight or bias: LayerNorm, RMSNorm,
-    GroupNorm, ...) or '' (takes no adapter)."""
-    if module is None:
-        return ""
-    if getattr(module, "is_lora_wrapper", False) or isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, _CONV):
-        return "conv"
-    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    if (isinstance(w, torch.Tensor) and w.dim() == 1) or (w is None and isinstance(b, torch.Tensor) and b.dim() == 1):
-        return "norm"
-    return ""
+    GroupNorm, ...) or '' (takes no adapter; `adapter_kind` says why)."""
+    return adapter_kind(module)[0]
 
 
 def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = False, log_coverage: bool = True
@@ -495,7 +483,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
                 else:
                     targets.update((d.target, d) for d in deltas)
         else:
-            why = f"targets {type(module).__name__} {target!r}, which takes no adapter"
+            why = f"targets {type(module).__name__} {target!r}, which takes no adapter: {adapter_kind(module)[1]}"
         if why is not None:
             unmatched[stem] = why
         else:

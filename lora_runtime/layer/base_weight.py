@@ -11,13 +11,21 @@ Contract
   ``tensor_type`` with a ``name`` and a ``tensor_shape``, as ComfyUI-GGUF's GGMLTensor)
   of type F32, F16 and BF16 (BF16 is stored as raw bytes: viewed as bfloat16).
 - `packed_reason(t)`: '' when `float_view` gives the weight; else what it is
-  ("GGUF Q8_0 (quantized/packed)", an fp8 dtype, ...), for reports and refusals.
+  ("GGUF Q8_0 (quantized/packed)", "quantized (TensorCoreFP8Layout)", an fp8 dtype, ...), for
+  reports and refusals.
+- `quant_layout(t)`: the layout name of a host-quantized tensor (comfy-kitchen's
+  ``QuantizedTensor``, which ComfyUI 0.33+ loads quantized checkpoints into), else None.
+- `adapter_kind(module)`: (kind, why): 'linear' for every layer the host computes as x W^T
+  (``nn.Linear`` and its subclasses, and any cast Linear with ``in_features`` /
+  ``out_features`` and a weight of that logical shape, such as ComfyUI's mixed-precision
+  Linear), 'conv' for convolutions, 'norm' for 1-D weights/biases, else '' and the reason
+  naming the class.
 - `base_weight(layer)`: the weight the layer multiplies with, as a `BaseWeight`: the
   float view (``writable``: a merge may write into it) or, for a packed / scaled /
-  patched weight, the layer's own dequantization in fp32 (``writable`` False): its
-  ``get_weight(weight, dtype)`` (ComfyUI-GGUF layers), an fp8 cast times its
-  ``scale_weight`` (ComfyUI's scaled fp8 ops, through ``convert_weight``), then its
-  ``weight_function`` patches. A dequantized copy carries ``key``: the identity of the
+  patched weight, the host's own dequantization in fp32 (``writable`` False): a
+  ``QuantizedTensor``'s ``dequantize()`` at fp32, a GGUF layer's ``get_weight(weight, dtype)``,
+  an fp8 cast times its ``scale_weight`` (ComfyUI 0.3.x's scaled fp8 ops, through
+  ``convert_weight``), then its ``weight_function`` patches. A dequantized copy carries ``key``: the identity of the
   stored weight (storage, in-place version, patches), so caches of values derived from
   it (DoRA norms) hold across calls instead of following each fresh copy.
 """
@@ -39,6 +47,46 @@ def gguf_type(t) -> str | None:
     if tt is None or not hasattr(t, "tensor_shape"):
         return None
     return getattr(tt, "name", str(tt))
+
+
+def quant_layout(t) -> str | None:
+    """The layout name of a host-quantized tensor (a ``QuantizedTensor``), else None."""
+    layout = getattr(t, "_layout_cls", None)
+    if layout is None or not isinstance(t, torch.Tensor) or not callable(getattr(t, "dequantize", None)):
+        return None
+    return layout if isinstance(layout, str) else getattr(layout, "__name__", str(layout))
+
+
+def dequantized(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A host-quantized tensor's values as a plain tensor of `dtype`, through its own
+    ``dequantize`` at that dtype (the grid point itself, no rounding to the stored dtype)."""
+    return _plain(t.to(dtype).dequantize()).to(dtype)
+
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def adapter_kind(module) -> tuple[str, str]:
+    """(kind, why) of a layer an adapter targets (see module doc); `why` is set when kind is ''."""
+    if module is None:
+        return "", "no such layer"
+    if getattr(module, "is_lora_wrapper", False) or isinstance(module, nn.Linear):
+        return "linear", ""
+    if isinstance(module, _CONV):
+        return "conv", ""
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    name = type(module).__name__
+    if isinstance(w, torch.Tensor) and not w.is_meta and len(real_shape(w)) == 2:
+        out_f, in_f = getattr(module, "out_features", None), getattr(module, "in_features", None)
+        if isinstance(out_f, int) and isinstance(in_f, int) and real_shape(w) == (out_f, in_f):
+            return "linear", ""
+        return "", (f"{name} has a 2-D weight {list(real_shape(w))} but no matching in_features/out_features, "
+                    "so it is not known to compute x W^T")
+    if (isinstance(w, torch.Tensor) and w.dim() == 1) or (w is None and isinstance(b, torch.Tensor) and b.dim() == 1):
+        return "norm", ""
+    if w is None and b is None:
+        return "", f"{name} has no weight or bias"
+    return "", f"{name} is neither a Linear, a convolution nor a norm layer"
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +134,9 @@ def packed_reason(t) -> str:
     kind = gguf_type(t)
     if kind is not None:
         return f"weight is GGUF {kind} (quantized/packed)"
+    layout = quant_layout(t)
+    if layout is not None:
+        return f"weight is quantized ({layout})"
     if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter):
         return f"weight dtype {t.dtype} has no defined merge rounding (fp8/int)"
     return f"weight is a {type(t).__name__} (quantized/packed)"
@@ -105,6 +156,9 @@ class BaseWeight:
 
 
 def _identity(t: torch.Tensor) -> tuple:
+    if quant_layout(t) is not None:  # the stored bytes and scales live in the inner tensors
+        inner = [v for v in vars(t._params).values() if isinstance(v, torch.Tensor)] if hasattr(t, "_params") else []
+        return ("quantized", quant_layout(t), _identity(t._qdata), *(_identity(v) for v in inner))
     try:
         version = t._version
     except RuntimeError:
@@ -126,7 +180,9 @@ def base_weight(layer: nn.Module) -> BaseWeight:
     if view is not None and not functions and scale is None:
         return BaseWeight(view, True)
     get_weight = getattr(base, "get_weight", None)
-    if callable(get_weight) and gguf_type(w) is not None:
+    if quant_layout(w) is not None:
+        d = dequantized(w)                 # the host's own dequantization, at fp32
+    elif callable(get_weight) and gguf_type(w) is not None:
         d = get_weight(w, torch.float32)   # the layer's own dequantization (and its own patches)
     else:
         d = (view if view is not None else _plain(w)).to(torch.float32, copy=True)

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import MergeRefusedError
+from ..errors import LoraRuntimeError, MergeRefusedError, NonFiniteMergeError
 from . import call_plan, stacking
-from .base_weight import base_weight, float_view, own_storage, packed_reason, real_shape
+from . import quantized_merge
+from .base_weight import base_weight, float_view, own_storage, packed_reason, quant_layout, real_shape
 from .merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 from .runtime_context import _CURRENT, current_context
 from .stacking import can_add_inplace, row_mask
@@ -88,6 +89,11 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
         return False, "layer has no weight"
     if getattr(base, "weight_lowvram_function", None) is not None or getattr(base, "_v", None) is not None:
         return False, "weight is streamed and patched per call (ComfyUI dynamic VRAM)"
+    if quant_layout(w) is not None:  # merged as the host merges: re-quantized on the layout's grid
+        if getattr(base, "weight_function", None):
+            return False, "weight has weight-function patches"
+        why = quantized_merge.can_requantize(w)
+        return not why, why
     why = packed_reason(w)  # a GGUF F16/BF16/F32 weight is a plain float weight; quantized ones are not
     if why:
         return False, why
@@ -141,6 +147,7 @@ class LoraLinear(nn.Module):
         self.merge_refusal = ""       # set by the host: why this layer's weight must not be merged into
         self.restore_copy = False     # restore memory 'copy': a merge keeps a full copy of the weight
         self.merge_tier = Tier.EXACT  # set by the injector: lossless/high merges fold the factors
+        self.requant_seed = 0         # set by the host: its stochastic-rounding seed for a quantized merge
         self._merged_folded = False   # whether the current merge folded them (its restore does too)
         self.slots: "OrderedDict[str, AdapterSlot]" = OrderedDict()
         self._restore: RestoreRecord | None = None
@@ -152,6 +159,10 @@ class LoraLinear(nn.Module):
         self._last_plan = None                 # the plan of the last call (checked first)
         self._trace_plan = None                # call_plan.TracePlan: what a compiled call reads
         self._sibling = None                   # (shared_shrink.SiblingGroup, index) or None
+        self.calls = 0                         # eager forwards run (ran_guard: did this layer run?)
+        self.cast_calls = 0                    # weight patches the host applied at cast time
+        self._cast_patch = None                # (weight fn, bias fn or None) while patched at cast time
+        self._cast_cache: dict = {}
 
     # --- read-through to the wrapped layer -----------------------------------------
     @property
@@ -189,6 +200,7 @@ class LoraLinear(nn.Module):
         meanwhile, ours stays in its chain as a pass-through (adds nothing)."""
         if not self._attached:
             return
+        self.unpatch_at_cast()
         layer = self.base_layer
         if layer.__dict__.get("forward") == self.forward:
             if self._prev_forward is None:
@@ -263,6 +275,7 @@ class LoraLinear(nn.Module):
         """Slot state changed: drop the stacked weights, the call plans and the trace plan (a
         compiled call takes the general path until `prepare_trace`)."""
         self._stack_cache.clear()
+        self._cast_cache.clear()
         self._plan_cache = None
         self._plans.clear()
         self._last_plan = None
@@ -300,8 +313,8 @@ class LoraLinear(nn.Module):
     def lora_active(self) -> bool:
         """Does this call add output to the wrapped layer's output right now?"""
         ctx = current_context()
-        if ctx is not None and ctx.scale == 0.0:
-            return False
+        if (ctx is not None and ctx.scale == 0.0) or self._cast_patch is not None:
+            return False  # patched at cast time: the host's weight already carries it
         return any(s.contributes and (not s.merged or s.update.diff_b is not None)
                    and (ctx is None or ctx.adapters is None or self.call_factor(s, ctx)[0] != 0.0)
                    for s in self.slots.values())
@@ -387,7 +400,22 @@ class LoraLinear(nn.Module):
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
         fold = self.merge_folds   # the scaling the merge would use
+        if self.quantized:        # the layout's grid: every row (its scale may span the tensor)
+            w = self.weight2d
+            d = self.delta_rows(slice(None), None, fold)
+            exact = w + d
+            err = self.grid_round(exact) - exact
+            return float(err.double().pow(2).sum()), float(d.double().pow(2).sum())
         return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows)
+
+    @property
+    def quantized(self) -> bool:
+        """Is the weight host-quantized (a merge re-quantizes it on its layout's grid)?"""
+        return quant_layout(self.get_base_layer().weight) is not None
+
+    def grid_round(self, exact: torch.Tensor) -> torch.Tensor:
+        """fp32 [out, in] values -> what a merge into this quantized weight would leave."""
+        return quantized_merge.grid_round(self.get_base_layer().weight, exact, self.requant_seed)
 
     # --- merge / restore -------------------------------------------------------------
     def merge(self, only: set[str] | None = None) -> None:
@@ -400,6 +428,9 @@ class LoraLinear(nn.Module):
             return
         slots = [s for s in self._weight_slots() if only is None or s.name in only]
         if not slots:
+            return
+        if self.quantized:
+            self._merge_quantized(slots)
             return
         bw = base_weight(self.get_base_layer())
         if not bw.writable:  # mergeable() judged it; a copy must never take a merge
@@ -429,6 +460,35 @@ class LoraLinear(nn.Module):
         self._merged_names = tuple(s.name for s in slots)
         self._weight_changed()
 
+    @torch.no_grad()
+    def _merge_quantized(self, slots: list[AdapterSlot]) -> None:
+        """Merge into a quantized weight: the merged weight re-quantized into a new Parameter; the
+        old Parameter (bytes and scales untouched) is the restore record."""
+        base = self.get_base_layer()
+        old = base.weight
+        w = self.weight2d                     # fp32 dequantized copy
+        for s in slots:
+            if s.update.needs_weight:
+                s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
+        try:
+            fold = self.merge_folds
+            exact = w.add_(self._delta_rows(w, slice(None), slots, fold))
+            if not bool(torch.isfinite(exact).all()):
+                raise NonFiniteMergeError(f"{self.layer_name}: the merged weight is not finite (inf/NaN); nothing "
+                                          "was written. Lower the adapter's strength")
+            new = quantized_merge.requantized(old, exact.reshape(old.shape), self.requant_seed)
+        except BaseException:
+            for s in slots:
+                s.frozen_delta = None
+            raise
+        base.weight = nn.Parameter(new, requires_grad=False)
+        self._restore = quantized_merge.QuantRestore(old)
+        self._merged_folded = fold
+        for s in slots:
+            s.merged = True
+        self._merged_names = tuple(s.name for s in slots)
+        self._weight_changed()
+
     def unmerge(self, remember: bool = False) -> None:
         """Restore the weight bit for bit (fingerprint-checked). `remember`: keep the verified
         fingerprint for the next `merge` of the same, untouched weight (a swap inside one
@@ -438,6 +498,16 @@ class LoraLinear(nn.Module):
         if not self.merged:
             return
         slots = [self.slots[n] for n in self._merged_names]
+        if isinstance(self._restore, quantized_merge.QuantRestore):
+            self.get_base_layer().weight = self._restore.param  # the very Parameter it held: same bytes
+            for s in slots:
+                s.merged = False
+                s.frozen_delta = None
+            self._restore = None
+            self._merged_names = ()
+            self._weight_changed()
+            self._verified = None
+            return
         w = self.weight2d
         fold = self._merged_folded
         record = self._restore
@@ -469,6 +539,9 @@ class LoraLinear(nn.Module):
                 return y  # detached while another patch still chains through us
         if torch.compiler.is_compiling():  # traced: tensor factors, no context read (call_plan.py)
             return call_plan.traced_forward(self, x, y)
+        self.calls += 1
+        if self._cast_patch is not None:
+            return y  # the host added the adapters when it cast the weight
         ctx = _CURRENT.get()
         p = self._last_plan
         if p is None or p.ctx is not ctx or p.dtype is not x.dtype or p.device != x.device:
@@ -595,6 +668,93 @@ class LoraLinear(nn.Module):
             d = self._masked(d, mask)
             y = y.add_(d) if can_add_inplace(y) else y + d
         return self._add_offsets(y, offsets, f, ctx)
+
+    # --- adapters applied at cast time (ran_guard: a host path that skips this forward) ------------
+    @property
+    def watched(self) -> bool:
+        """Does this layer add output the weight does not hold (a dynamic slot or an offset)?"""
+        dyn, offsets = self._call_plan()
+        return bool(dyn or offsets)
+
+    @property
+    def cast_patched(self) -> bool:
+        return self._cast_patch is not None
+
+    def patch_at_cast(self) -> str:
+        """Move the dynamic adapters into the host's cast-time patches (``weight_function`` /
+        ``bias_function``: W + delta when the host casts the weight, as its own LoRA does), so a
+        host path that reads the weight without calling the layer sees them too; the forward then
+        adds nothing. '' when done, else why it cannot be."""
+        base = self.get_base_layer()
+        wf, bf = getattr(base, "weight_function", None), getattr(base, "bias_function", None)
+        if not isinstance(wf, list):
+            return f"its {type(base).__name__} takes no weight patch at cast time"
+        if self.is_conv:
+            return "it is a convolution"
+        if self._cast_patch is not None:
+            return ""
+        dyn, offsets = self._call_plan()
+        if offsets and not isinstance(bf, list):
+            return f"an output offset (diff_b) rides on it and its {type(base).__name__} takes no bias patch"
+
+        def weight_fn(weight):
+            self.cast_calls += 1
+            return self._cast_added(weight, bias=False)
+
+        def bias_fn(bias):
+            return self._cast_added(bias, bias=True)
+
+        wf.append(weight_fn)
+        if offsets:
+            bf.append(bias_fn)
+        self._cast_patch = (weight_fn, bias_fn if offsets else None)
+        self._cast_cache.clear()
+        return ""
+
+    def unpatch_at_cast(self) -> None:
+        if self._cast_patch is None:
+            return
+        base = self.get_base_layer()
+        wfn, bfn = self._cast_patch
+        for lst, fn in ((getattr(base, "weight_function", None), wfn), (getattr(base, "bias_function", None), bfn)):
+            if fn is not None and isinstance(lst, list) and fn in lst:
+                lst.remove(fn)
+        self._cast_patch = None
+        self._cast_cache.clear()
+
+    @torch.no_grad()
+    def _cast_added(self, t: torch.Tensor, bias: bool) -> torch.Tensor:
+        """The host's cast weight (or bias) plus this call's dynamic deltas (offsets), summed in
+        fp32 and rounded once to the cast dtype."""
+        ctx = _CURRENT.get()
+        dyn, offsets, f = self._call_selection(ctx)
+        slots = offsets if bias else dyn
+        if not slots:
+            return t
+        masked = [s.name for s in slots if f[s.name][1] is not None]
+        if masked:
+            raise LoraRuntimeError(
+                f"layer {self.layer_name!r}: the host computes it from its weight without calling the layer, so "
+                f"adapter {masked[0]!r} is added to the weight, which cannot hold a per-branch (CFG) adapter. "
+                "Set that adapter's branch to 'both'")
+        key = (bias, t.device, tuple((s.name, f[s.name][0]) for s in slots))
+        d = self._cast_cache.get(key)
+        if d is None:
+            if len(self._cast_cache) >= 8:
+                self._cast_cache.clear()
+            d = None
+            for s in slots:
+                rs = f[s.name][0]
+                if bias:
+                    e = times(times(s.update.bias_delta(t.device, torch.float32).clone(), s.strength, inplace=True),
+                              rs, inplace=True)
+                else:
+                    w = self.weight2d if s.update.needs_weight else None
+                    e = times(times(s.update.delta(t.device, torch.float32, weight=w), s.strength, inplace=True),
+                              rs, inplace=True)
+                d = e if d is None else d.add_(e)
+            d = self._cast_cache[key] = d.reshape(t.shape)
+        return (t.to(torch.float32) + d).to(t.dtype)
 
     # --- the stacked low-rank pairs (the fast dynamic path, the fused kernels) -------------
     def stack(self, device, dtype):
