@@ -14,6 +14,11 @@ Contract
 
   Every projection (q/k/v/o, ffn.0, ffn.2, embeddings, head) is a real
   ``nn.Linear`` so a LoRA engine can wrap it by name and ``setattr`` it back.
+* The FFN is ComfyUI 0.33's ``WanFeedForward``: ``ffn.2(gelu_tanh(ffn.0(x)))`` through
+  ``quant_ops.linear_input_act``, which for an int8-quantized ffn.2 (``TensorWiseINT8Layout``)
+  runs comfy-kitchen's fused kernel instead of calling ffn.2's forward, as ComfyUI does.
+* ``load_wan_checkpoint`` also reads ComfyUI's quantized checkpoints (``comfy_quant`` keys,
+  legacy ``scaled_fp8``); those layers load as ``quant_ops.QuantLinear`` (needs comfy-kitchen).
 * ``WanModel.forward(x, timestep, context)``: x ``[B, C_in, T, H, W]``,
   timestep ``[B]`` (sigma * 1000), context ``[B, L, text_dim]``; returns
   ``[B, C_out, T, H, W]`` float32. The text context is used as given (no
@@ -35,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import quant_ops
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +204,17 @@ class WanCrossAttention(WanSelfAttention):
         return self.o(attention(q, k, v, self.num_heads))
 
 
+class WanFeedForward(nn.Sequential):
+    """[Linear, GELU(tanh), Linear] (keys ffn.0.*, ffn.2.*), the GELU folded into the
+    down-projection as ComfyUI 0.33 does: ``quant_ops.linear_input_act(self[2], self[0](x),
+    "gelu_tanh")``. For a plain Linear that is ``self[2](gelu_tanh(self[0](x)))``, the same
+    numbers as the Sequential; an int8-quantized ffn.2 runs comfy-kitchen's kernel without its
+    forward being called. ``self[1]`` is kept for the layout and is not called."""
+
+    def forward(self, x):
+        return quant_ops.linear_input_act(self[2], self[0](x), "gelu_tanh")
+
+
 class WanAttentionBlock(nn.Module):
     """adaLN-modulated self-attention, cross-attention and GELU(tanh) FFN."""
 
@@ -208,7 +226,7 @@ class WanAttentionBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=True)
         self.cross_attn = WanCrossAttention(dim, cfg.num_heads, cfg.eps)
         self.norm2 = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=False)
-        self.ffn = nn.Sequential(
+        self.ffn = WanFeedForward(
             nn.Linear(dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, dim)
         )
         self.modulation = nn.Parameter(torch.zeros(1, 6, dim))
@@ -307,30 +325,42 @@ def _pad_to_patch(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
 
 
 def load_wan_checkpoint(path, dtype: torch.dtype = torch.float32, device="cpu") -> WanModel:
-    """Build a WanModel from a ComfyUI-layout Wan 2.1 T2V ``.safetensors`` file."""
-    from safetensors.torch import load_file
+    """Build a WanModel from a ComfyUI-layout Wan 2.1 T2V ``.safetensors`` file.
 
+    A file with ComfyUI-quantized layers (``*.comfy_quant`` keys, ``_quantization_metadata``,
+    or a legacy ``scaled_fp8`` marker) loads those Linears as `quant_ops.QuantLinear` (their
+    weights reporting `dtype`); that needs comfy-kitchen, and without it the error names the
+    file and the package to install."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: only .safetensors checkpoints are supported")
-    sd = strip_prefix(load_file(str(path), device="cpu"))
+    raw, metadata = quant_ops.read_safetensors(path)
+    quantized = quant_ops.has_quantized_layers(raw, metadata)
+    if quantized:
+        quant_ops.require_comfy_kitchen(str(path))
+        raw = quant_ops.convert_old_quants(raw, metadata, prefixes=("", COMFY_PREFIX))
+    sd = strip_prefix(raw)
     try:
-        cfg = WanConfig.from_state_dict(sd)
+        cfg = WanConfig.from_state_dict(quant_ops.shape_view(sd) if quantized else sd)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     with torch.device("meta"):
         model = WanModel(cfg)
-    expected = set(model.state_dict().keys())
-    missing = sorted(expected - sd.keys())
-    unexpected = sorted(sd.keys() - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{path}: state dict does not match a Wan 2.1 T2V model ({cfg}); "
-            f"missing keys: {missing}; unexpected keys: {unexpected}"
-        )
-    sd = {k: v.to(dtype=dtype) for k, v in sd.items()}
-    model.load_state_dict(sd, strict=True, assign=True)
+    if quantized:
+        quant_ops.load_quantized_state_dict(model, sd, dtype=dtype, source=str(path))
+    else:
+        expected = set(model.state_dict().keys())
+        missing = sorted(expected - sd.keys())
+        unexpected = sorted(sd.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path}: state dict does not match a Wan 2.1 T2V model ({cfg}); "
+                f"missing keys: {missing}; unexpected keys: {unexpected}"
+            )
+        sd = {k: v.to(dtype=dtype) for k, v in sd.items()}
+        model.load_state_dict(sd, strict=True, assign=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
-    logger.info("loaded Wan 2.1 T2V %s from %s (%s)", cfg, path, dtype)
+    logger.info("loaded Wan 2.1 T2V %s from %s (%s%s)", cfg, path, dtype,
+                ", quantized layers" if quantized else "")
     return model

@@ -308,3 +308,18 @@ test("a long file name is cut in the middle, after the layer count and the decis
   assert.ok(cov.title.startsWith(name));
   for (const bad of [undefined, null, 3, {}]) assert.equal(typeof fmt.middleEllipsis(bad), "string");
 });
+
+test("ran check: layers applied at cast time (info) and layers that did not run (warn) are shown", () => {
+  const cast = { handled: "applied at cast time", why: "the host computes this layer from its weight" };
+  const items = fmt.formatReport({ ...fullReport(), ran_check: [
+    { layer: "blocks.0.ffn.2", ...cast }, { layer: "blocks.1.ffn.2", ...cast }] });
+  const r = items.find((i) => i.key === "ran_check");
+  assert.equal(r.text, "2 layers applied at cast time");
+  assert.equal(r.level, "info");
+  assert.match(r.title, /blocks\.1\.ffn\.2/);
+  const w = fmt.formatRanCheck([{ layer: "img_emb.proj", handled: "did not run", why: "its weight was not read either" }]);
+  assert.equal(w.level, "warn");
+  assert.equal(w.text, "⚠ 1 layer did not run");
+  assert.equal(fmt.formatRanCheck([]), null);
+  assert.equal(fmt.formatRanCheck(undefined), null);
+});
