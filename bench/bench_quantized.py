@@ -5,6 +5,7 @@ base alone vs our dynamic adapters (1 and 4, rank 32) vs the host's cast-time Lo
 
     python bench/bench_quantized.py                 # Wan-1.3B dims, 2 blocks, 512 tokens (~1-2 min)
     python bench/bench_quantized.py --smoke         # tiny dims, 1 round (CI)
+    python bench/bench_quantized.py --device cuda   # the same on a GPU (the device check runs it)
 
 Arms per layout (times are medians of per-round ratios to `base`, interleaved rounds):
 - ``base``: the quantized model alone;
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import header, interleaved_rounds  # noqa: E402
+from _timing import header, interleaved_rounds, resolve_device  # noqa: E402
 
 from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
@@ -73,19 +74,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="TensorCoreFP8Layout,TensorCoreNVFP4Layout")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny dims, one round")
     a = ap.parse_args()
     if a.smoke:
         a.dims, a.blocks, a.tokens, a.rank, a.repeats = "64,128", 1, 16, 4, 1
     torch.set_num_threads(a.threads)
+    dev = resolve_device(a.device)
     d, f = (int(v) for v in a.dims.split(","))
-    print(header("cpu", f"quantized bases: dims {d}/{f}, {a.blocks} blocks, {a.tokens} tokens, rank {a.rank}"))
-    plain = model(d, f, a.blocks)
+    print(header(dev, f"quantized bases: dims {d}/{f}, {a.blocks} blocks, {a.tokens} tokens, rank {a.rank}"))
+    plain = model(d, f, a.blocks).to(dev)
     tmp = tempfile.mkdtemp()
     paths = [os.path.join(tmp, f"a{i}.safetensors") for i in range(4)]
     for i, p in enumerate(paths):
         adapter(p, plain, a.rank, i)
-    x = torch.randn(1, a.tokens, d).to(torch.bfloat16)
+    x = torch.randn(1, a.tokens, d).to(device=dev, dtype=torch.bfloat16)
     for layout in a.layouts.split(","):
         q = quant_ops.quantize_model(plain, layout, min_numel=1)
         ms = {"base": q}
@@ -107,7 +110,7 @@ def main() -> None:
                     m(x)
             return run
 
-        stats = interleaved_rounds({n: arm(m) for n, m in ms.items()}, "cpu", refs=("base",),
+        stats = interleaved_rounds({n: arm(m) for n, m in ms.items()}, dev, refs=("base",),
                                    warmup=1, repeats=a.repeats)
         with torch.no_grad():
             y0, y1 = ms["base"](x), ms["dyn1"](x)

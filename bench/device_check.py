@@ -21,6 +21,8 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            each x the best base arm of its round, and the lossless rule vs fp64 per arm
   swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
            and copy restore memory) vs a ComfyUI-style re-patch (backup on the CPU), 6 blocks
+  quantized  bench/bench_quantized.py --device cuda: fp8 and nvfp4 QuantizedTensor bases
+           (weight-only cast) alone vs our dynamic adapters (1 and 4) and a cast-time patch
   dit      bench/bench_dit_step.py on CUDA (bf16), in this order: Wan-2.1-1.3B dims at 1530
            tokens x 30 blocks (launch-bound on a big GPU) and 32760 tokens (480p, 81 frames)
            x 8 blocks; Wan-14B dims at 32760 tokens x 2 blocks (these three with --cfg: batch
@@ -109,7 +111,8 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "dit": 300, "compile": 10 ** 6}
+PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "quantized": 40, "dit": 300,
+             "compile": 10 ** 6}
 PARTS = tuple(PART_CAPS)
 TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04,
                dit_dynamic_x_merged_14b=1.03, dit_dynamic_x_merged_small=1.15, swap_x_repatch=1.0)
@@ -535,6 +538,28 @@ def part_swap(ctx) -> dict:
     return dict(ratios=ratios, table=table, summary=", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
 
 
+# ---------------------------------------------------------------- quantized
+
+def part_quantized(ctx) -> dict:
+    """bench_quantized.py on the GPU: quantized bases (fp8, nvfp4) alone vs our dynamic adapters."""
+    cmd = [sys.executable, str(HERE / "bench_quantized.py")]
+    cmd += ["--smoke"] if ctx.dry else ["--device", "cuda", "--tokens", "4096", "--repeats", "3"]
+    log("running " + " ".join(cmd[1:]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=max(1.0, ctx.budget.for_part("quantized")))
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (ctx.out / "quantized.log").write_text(text)
+        raise OutOfTime("bench_quantized did not finish") from None
+    text = proc.stdout + proc.stderr
+    (ctx.out / "quantized.log").write_text(text)
+    if proc.returncode != 0:
+        return dict(status="failed", returncode=proc.returncode, error=text[-1500:])
+    lines = [ln for ln in proc.stdout.splitlines() if ": base " in ln]
+    return dict(lines=lines, summary="; ".join(lines))
+
+
 # ---------------------------------------------------------------- compile
 
 def part_compile(ctx) -> dict:
@@ -637,6 +662,9 @@ def markdown(results: dict) -> str:
     if swap.get("table"):
         lines += ["", "## Adapter swap A → B vs a ComfyUI-style re-patch (bench_switch.py --device cuda)", ""]
         lines += swap["table"]
+    quant = results.get("parts", {}).get("quantized", {})
+    if quant.get("lines"):
+        lines += ["", "## Quantized bases (bench_quantized.py --device cuda)", ""] + [f"- {ln}" for ln in quant["lines"]]
     crow = results.get("compile_rows", [])
     if crow and not crow[0].get("planned"):
         lines += ["", "## torch.compile baselines (× ours fused, same run)", "",
@@ -679,7 +707,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, Budget(args.budget_s), args.dry_run, args.repeats)
     funcs = dict(env=part_env, tests=part_tests, tune=part_tune, kernels=part_kernels, dit=part_dit,
-                 swap=part_swap, compile=part_compile)
+                 swap=part_swap, quantized=part_quantized, compile=part_compile)
     for name in PARTS:
         if name not in wanted and name != "env":
             continue

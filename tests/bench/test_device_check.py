@@ -14,7 +14,9 @@ def test_device_check_dry_run_plans_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "device_check.json").read_text())
     parts = res["parts"]
-    assert list(parts) == ["env", "tests", "tune", "kernels", "swap", "dit", "compile"]
+    assert list(parts) == ["env", "tests", "tune", "kernels", "swap", "quantized", "dit", "compile"]
+    # the quantized-bases bench ran at smoke size: a ratio line per layout
+    assert [ln.split(":")[0] for ln in parts["quantized"]["lines"]] == ["TensorCoreFP8Layout", "TensorCoreNVFP4Layout"]
     bad = {k: v.get("error") for k, v in parts.items() if v["status"] != "ok"}
     assert not bad, bad
     assert "collected" in parts["tests"]["summary"] and parts["tests"]["returncode"] == 0
