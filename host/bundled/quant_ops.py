@@ -61,6 +61,8 @@ FORMATS: dict[str, tuple[str, torch.dtype]] = {
     "int8_tensorwise": (INT8_LAYOUT, torch.int8),
     "mxfp8": ("TensorCoreMXFP8Layout", torch.float8_e4m3fn),
     "nvfp4": ("TensorCoreNVFP4Layout", torch.uint8),
+    "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", torch.int8),
+    "asym_w4a8_int8": ("AsymW4A8Int8Layout", torch.int8),
 }
 
 # layout name -> checkpoint format it saves as
@@ -71,6 +73,8 @@ LAYOUT_FORMATS: dict[str, str] = {
     INT8_LAYOUT: "int8_tensorwise",
     "TensorCoreMXFP8Layout": "mxfp8",
     "TensorCoreNVFP4Layout": "nvfp4",
+    "TensorCoreConvRotW4A4Layout": "convrot_w4a4",   # in memory; their files are not round-trip tested
+    "AsymW4A8Int8Layout": "asym_w4a8_int8",
 }
 
 # per-layer keys a quantized layer may carry besides its bias
