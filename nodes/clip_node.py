@@ -48,6 +48,9 @@ def clip_outcome(adapter, applied: dict, skipped: dict, strength: float) -> tupl
 
 
 class LoadLoraAdapterModelClip:
+    # the report on the node comes back on a fully cached re-run too (ComfyUI 0.33+ re-sends the
+    # cached UI of such nodes)
+    HAS_INTERMEDIATE_OUTPUT = True
     @classmethod
     def INPUT_TYPES(cls):
         base = LoadLoraAdapter.INPUT_TYPES()  # the model loader's inputs, so its options carry over as they grow

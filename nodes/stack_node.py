@@ -80,6 +80,9 @@ def active(row: dict) -> bool:
 
 
 class LoraStack:
+    # the report on the node comes back on a fully cached re-run too (ComfyUI 0.33+ re-sends the
+    # cached UI of such nodes)
+    HAS_INTERMEDIATE_OUTPUT = True
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {

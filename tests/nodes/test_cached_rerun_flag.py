@@ -1,0 +1,15 @@
+"""Every node that shows something on the node (a ``ui`` output: coverage or report) sets
+``HAS_INTERMEDIATE_OUTPUT``, so ComfyUI 0.33+ re-sends its cached UI on a fully cached re-run
+(a node without it shows no badge then, and /history holds no report)."""
+import inspect
+
+from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
+
+
+def test_every_node_that_returns_ui_sets_has_intermediate_output():
+    with_ui = {name for name, cls in NODE_CLASS_MAPPINGS.items()
+               if '"ui"' in inspect.getsource(cls)}
+    assert {"LoraRuntimeLoadAdapter", "LoraRuntimeSampler", "LoraRuntimeReport", "LoraRuntimeStack",
+            "LoraRuntimeLoadAdapterModelClip"} <= with_ui
+    missing = sorted(n for n in with_ui if not getattr(NODE_CLASS_MAPPINGS[n], "HAS_INTERMEDIATE_OUTPUT", False))
+    assert not missing, missing
