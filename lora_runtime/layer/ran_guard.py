@@ -15,7 +15,8 @@ Contract
     patch was not read did not run at all, and is put back as it was ("did not run");
   - a bypassed layer whose adapters cannot ride a cast-time patch stops the run, naming it;
   - a layer whose host takes no patch and did not run: "did not run".
-  Layers found bypassed are remembered (by layer object) and patched before later first calls.
+  Layers found bypassed are remembered (by layer object) and patched before later first calls,
+  which report them again when the host reads them at cast time.
 - A compiled model call (torch.compile built a graph during it, or did for this model before)
   whose watched layers all went uncounted (traced forwards are not counted) changes nothing,
   and the finding says the check was not made.
@@ -34,6 +35,8 @@ CAST = "applied at cast time"
 NOT_RUN = "did not run"
 NOT_CHECKED = "not checked"
 
+_CAST_WHY = ("the host computes this layer from its weight without calling it; its adapters are added to the "
+             "weight when the host casts it (as the host's own LoRA does)")
 _BYPASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # layer -> True
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> True
 
@@ -61,15 +64,16 @@ def _ran(w, before) -> bool:
 def first_call(run, wrappers, model=None):
     from ..compile_watch import graphs_compiled
     watched = [w for w in wrappers if w.watched]
-    for w in watched:  # a bypass found in an earlier sampling: patched up front
-        if w.get_base_layer() in _BYPASSED:
-            w.patch_at_cast()
-    before = _counts(watched)
+    up_front = [w for w in watched if w.get_base_layer() in _BYPASSED and not w.patch_at_cast()]
+    before = _counts(watched)   # (a bypass found in an earlier sampling is patched up front)
     graphs = graphs_compiled()
     out = run()
     missed = [w for w in watched if not _ran(w, before)]
+    # layers patched up front that the host read at cast time without calling them: the same bypass
+    findings = [{"layer": w.layer_name, "handled": CAST, "why": _CAST_WHY} for w in up_front
+                if w.calls == before[id(w)][0] and w.cast_calls != before[id(w)][1]]
     if not missed:
-        return out, []
+        return out, findings
     compiled = graphs_compiled() != graphs or (model is not None and model in _COMPILED)
     if compiled and len(missed) == len(watched):
         if model is not None:
@@ -77,7 +81,7 @@ def first_call(run, wrappers, model=None):
         return out, [{"layer": "*", "handled": NOT_CHECKED,
                       "why": "the model call ran as a compiled graph, where the adapted layers' "
                              "forwards are not counted: whether each adapted layer ran was not checked"}]
-    findings, patched, probes = [], [], []
+    patched, probes = [], []
     for w in missed:
         if w.cast_patched:  # patched up front and neither called nor cast: did not run
             findings.append({"layer": w.layer_name, "handled": NOT_RUN, "why": "its weight was not read either"})
@@ -108,10 +112,7 @@ def first_call(run, wrappers, model=None):
         for w in patched:
             if w.cast_calls != before[id(w)][1]:
                 _BYPASSED[w.get_base_layer()] = True
-                findings.append({"layer": w.layer_name, "handled": CAST,
-                                 "why": "the host computes this layer from its weight without calling it; its "
-                                        "adapters are added to the weight when the host casts it (as the host's "
-                                        "own LoRA does)"})
+                findings.append({"layer": w.layer_name, "handled": CAST, "why": _CAST_WHY})
             else:
                 w.unpatch_at_cast()
                 findings.append({"layer": w.layer_name, "handled": NOT_RUN, "why": "its weight was not read either"})

@@ -240,6 +240,9 @@ def test_int8_ffn_bypass_is_detected_and_applied_at_cast_time(plain, tmp_path):
     assert (y - y_base).abs().max() > 1e-2
     assert _same_bytes(before, _stored(q))
     assert all(not m.weight_function for m in quant_ops.quantized_layers(q).values())  # patch removed
+    # a later sampling of the same loaded model patches them up front, and reports them again
+    y3, _, again = _first_call(q, path, x)
+    assert again == findings and torch.equal(y3, y)
 
 
 def test_without_the_guard_the_bypass_drops_the_adapter(plain, tmp_path):
