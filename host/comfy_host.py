@@ -6,12 +6,18 @@ exactly what ComfyUI's KSampler gives for the same weights.
 """
 from __future__ import annotations
 
+import logging
 import os
+import weakref
 
 import comfy.model_management
 import comfy.patcher_extension
 import comfy.samplers
 import folder_paths
+
+from ..lora_runtime.files import host_keys
+
+log = logging.getLogger(__name__)
 
 InterruptProcessingException = comfy.model_management.InterruptProcessingException
 
@@ -35,8 +41,85 @@ def resolve_lora(name: str) -> str:
 def diffusion_model(model):
     """The nn.Module whose layers the adapters go on. Nothing is loaded or patched here:
     names and shapes are all the coverage check needs, and the adapters are applied
-    inside sampling (nodes/lifecycle.py), after ComfyUI has loaded the model."""
-    return model.get_model_object("diffusion_model")
+    inside sampling (nodes/lifecycle.py), after ComfyUI has loaded the model. The module is
+    remembered with its ComfyUI model, whose key map then places the adapters' keys."""
+    dm = model.get_model_object("diffusion_model")
+    _remember(dm, getattr(model, "model", None))
+    return dm
+
+
+# --- ComfyUI's own key map (lora_runtime.files.host_keys) -------------------------------
+# Inside ComfyUI, ComfyUI decides where an adapter key goes: `comfy.lora.model_lora_keys_unet`
+# of the model at hand (its class's own renames, row slices and swapped halves), read at run
+# time, and `comfy.lora_convert.convert_lora` on the file's keys first, as its LoraLoader does.
+# The pack's tables place only what that map does not know.
+
+_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # diffusion model -> ref(BaseModel)
+_KEY_MAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> HostKeyMap
+
+# ComfyUI model class (comfy.model_base, or any subclass: the nearest in the MRO) -> the pack's family
+# table for it; a class not named here gets none of the tables (ComfyUI's own map and the model's names)
+COMFY_FAMILIES = {"Flux": "Flux", "HunyuanVideo": "HunyuanVideo", "Lumina2": "Z-Image", "QwenImage": "Qwen-Image",
+                  "LTXV": "LTX-Video", "LTXAV": "LTX-Video", "WAN21": "Wan"}
+
+
+def _remember(dm, base) -> None:
+    if base is not None and getattr(base, "diffusion_model", None) is dm:
+        try:
+            _OWNERS[dm] = weakref.ref(base)
+        except TypeError:
+            pass
+
+
+def base_model_of(dm):
+    """The ComfyUI model (comfy.model_base.BaseModel) whose diffusion model is `dm`, or None: the
+    one remembered by `diffusion_model`, else one of ComfyUI's loaded models."""
+    ref = _OWNERS.get(dm)
+    base = ref() if ref is not None else None
+    if base is not None and getattr(base, "diffusion_model", None) is dm:
+        return base
+    for lm in list(getattr(comfy.model_management, "current_loaded_models", None) or ()):
+        patcher = getattr(lm, "model", None)
+        base = getattr(patcher, "model", None)
+        if base is not None and getattr(base, "diffusion_model", None) is dm:
+            _remember(dm, base)
+            return base
+    return None
+
+
+def model_family(base) -> str:
+    """The pack's family table for a ComfyUI model, by its class ('' = none)."""
+    for cls in type(base).__mro__:
+        if cls.__name__ in COMFY_FAMILIES:
+            return COMFY_FAMILIES[cls.__name__]
+    return ""
+
+
+def key_map(dm):
+    """ComfyUI's key map for the model whose diffusion model is `dm`, as a `host_keys.HostKeyMap`
+    (cached per model), or None when the model is not known here."""
+    base = base_model_of(dm)
+    if base is None:
+        return None
+    hm = _KEY_MAPS.get(base)
+    if hm is None:
+        import comfy.lora
+        import comfy.lora_convert
+        import comfy.utils
+
+        raw = comfy.lora.model_lora_keys_unet(base, {})
+        swap = getattr(comfy.utils, "swap_scale_shift", None)
+        config = getattr(base, "model_config", None)
+        hm = host_keys.from_key_map(
+            raw, host="ComfyUI", model_class=type(config).__name__ if config is not None else type(base).__name__,
+            base_class=type(base).__name__, family=model_family(base), swap_functions=[swap] if swap else [],
+            convert=getattr(comfy.lora_convert, "convert_lora", None), source="comfy.lora.model_lora_keys_unet")
+        _KEY_MAPS[base] = hm
+        log.debug("LoRA runtime: %s has %d entries (%d not usable)", hm.who, len(hm.entries), len(hm.skipped))
+    return hm
+
+
+host_keys.set_provider(key_map)
 
 
 # --- the wrapper hooks of ComfyUI's own ModelPatcher (registered in host/__init__.py) ----

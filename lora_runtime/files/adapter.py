@@ -27,7 +27,7 @@ from . import dialects
 from .key_formats import guess_family, split_key
 from ..updates.param_delta import ParamDelta
 from ..layer.base_weight import adapter_kind, real_shape
-from . import conv_tucker, param_names, scale_sources, text_encoder_keys
+from . import conv_tucker, host_keys, param_names, scale_sources, text_encoder_keys
 from .. import updates
 from .safetensors_file import load_safetensors, read_header
 
@@ -434,7 +434,13 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     all_modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     linears = linear_modules(model)
-    resolved = dialects.resolve_all(list(adapter.layers), all_modules)
+    hmap = host_keys.key_map_for(model)   # inside ComfyUI: its own key map for this model
+    family = hmap.family if hmap is not None else None
+    resolved = dialects.resolve_all(list(adapter.layers), all_modules, family=family)
+    host_why: dict[str, str] = {}
+    host_notes: list[str] = []
+    if hmap is not None:
+        host_why, host_notes = _place_as_host(adapter, hmap, resolved, all_modules, params)
     param_names.redirect_modulation(adapter.layers, resolved, all_modules)  # LightX2V blocks.N.diff_m
     targets: dict = {}
     slices: dict[str, list] = {}
@@ -444,7 +450,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
         la = copy.copy(la)  # the adapter is cached and shared by every match: never change its layers
         t = resolved.get(stem)
         if t is None:
-            unmatched[stem] = _why_unresolved(stem, all_modules)
+            unmatched[stem] = host_why.get(stem) or _why_unresolved(stem, all_modules, family)
             continue
         target = t.module
         module = None if t.param else all_modules.get(target)
@@ -507,7 +513,7 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     keys_total = sum(len(la.keys) for la in adapter.layers.values()) + len(adapter.ignored_keys) + te_tensors
     unmatched_tensors = sum(len(adapter.layers[k].keys) if k in adapter.layers else 1 for k in unmatched)
     keys_applied = sum(len(adapter.layers[s].keys) for s in applied_stems)
-    fmt = dialects.dialect_name(list(adapter.layers), all_modules)
+    fmt = dialects.dialect_name(list(adapter.layers), all_modules, family=family)
     if adapter.format not in ("", "unknown"):
         fmt = f"{fmt} ({adapter.format} keys)"
     report = CoverageReport(adapter.name, fmt, sorted(targets), unmatched, len(linears), len(adapter.layers),
@@ -517,8 +523,11 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
                             text_encoder_tensors=te_tensors)
     if te_layers:
         report.notes.append(text_encoder_keys.note(adapter.text_encoder))
-    family = guess_family(adapter.layers)
-    looks = f"; its keys look like an adapter for {family}" if family else ""
+    report.notes.extend(host_notes)
+    looks_like = guess_family(adapter.layers)
+    looks = f"; its keys look like an adapter for {looks_like}" if looks_like else ""
+    if hmap is not None and looks:
+        looks += f" (this model is {hmap.host}'s {hmap.model_class})"
     if not applied_stems:
         found = {k: v for k, v in unmatched.items() if k in adapter.layers and v != _NO_SUCH_LAYER}
         if found:   # layers of this model that cannot take their update: say why, not "another model"
@@ -550,12 +559,41 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
 _EXPERT = re.compile(r"^(.*?)transformer_([12])[._](blocks[._].*)$")
 
 
-def _why_unresolved(stem: str, modules: dict) -> str:
+def _place_as_host(adapter: LoraAdapter, hmap, resolved: dict, modules: dict, params: dict
+                   ) -> tuple[dict[str, str], list[str]]:
+    """Put the host's targets into ``resolved`` (in place): a stem the host's key map places goes
+    where the host puts it, rows and swapped halves included; the family tables keep the stems
+    the host's map does not know. Returns ({stem: why the host's entry is not used}, report notes)."""
+    placed, why = host_keys.host_targets(adapter, hmap, modules, params)
+    differ, ours_only = [], []
+    for stem in adapter.layers:
+        h, t = placed.get(stem), resolved.get(stem)
+        if h is not None:
+            if t is not None and (t.module, t.rows, t.param, t.swap_halves) == (h.module, h.rows, h.param,
+                                                                                 h.swap_halves):
+                continue   # the same place: keep the table's dialect label
+            if t is not None:
+                differ.append(f"{stem} -> {h.module} (tables: {t.module})")
+            resolved[stem] = h
+        elif t is not None:
+            ours_only.append(stem)
+    if differ:
+        log.info("LoRA %s: %d keys go where %s puts them, not where the pack's tables would (e.g. %s)",
+                 adapter.name, len(differ), hmap.who, "; ".join(differ[:3]))
+    notes = [f"{len(placed)} of the file's {len(adapter.layers)} layers placed by {hmap.who} "
+             f"({hmap.source or 'read at run time'})"]
+    if ours_only:
+        notes.append(f"{len(ours_only)} layers placed by the pack's own key tables, which {hmap.host}'s own "
+                     f"loader does not load (e.g. {', '.join(ours_only[:3])})")
+    return why, notes
+
+
+def _why_unresolved(stem: str, modules: dict, family: str | None = None) -> str:
     """Why a stem names nothing in the model: one expert of a file holding both Wan 2.2 experts
     (``transformer_1.`` = high noise, ``transformer_2.`` = low noise, as ai-toolkit writes them
     together), or no such layer."""
     m = _EXPERT.match(stem)
-    if m and dialects.resolve(m.group(1) + m.group(3), modules) is not None:
+    if m and dialects.resolve(m.group(1) + m.group(3), modules, family=family) is not None:
         which = "high-noise" if m.group(2) == "1" else "low-noise"
         return (f"names transformer_{m.group(2)}, the {which} expert of a file holding both Wan 2.2 experts; this "
                 "model is one expert: load the file saved for it (ai-toolkit saves one per expert unless "

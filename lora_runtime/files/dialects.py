@@ -81,6 +81,26 @@ Where the facts come from (facts only; no code is shared with these projects):
   ``head.modulation`` -> ``scale_shift_table``, native ``norm3`` <-> diffusers
   ``norm2``, ``img_emb.proj.N`` -> ``condition_embedder.image_embedder.*``);
   ``comfy/lora_convert.py`` ``convert_lora_wan_fun`` (``lora_unet__``).
+- Z-Image (ComfyUI's ``Lumina2`` class, ``NextDiT``): ``comfy/utils.py``
+  ``z_image_to_diffusers`` (``attention.to_q/to_k/to_v`` = rows ``[0, h)``, ``[h, 2h)``,
+  ``[2h, 3h)`` of ``attention.qkv`` with h = the model's dim, ``to_out.0`` = ``out``,
+  ``norm_q/norm_k`` = ``q_norm/k_norm``, ``all_x_embedder.2-1`` = ``x_embedder``,
+  ``all_final_layer.2-1.*`` = ``final_layer.*``) and ``model_lora_keys_unet`` (those names
+  under ``diffusion_model.``, ``transformer.``, ``lycoris_`` and bare); native names from
+  ``comfy/ldm/lumina/model.py``.
+- HunyuanVideo (1.0 and 1.5; ComfyUI builds it from Flux's blocks, so its native names are
+  Flux's): ``model_lora_keys_unet`` (diffusion-pipe / the original release's names:
+  ``_mod.lin`` -> ``_mod.linear``, ``_attn.qkv`` -> ``_attn_qkv``, ``_attn.proj`` ->
+  ``_attn_proj``, ``mlp.0/2`` -> ``mlp.fc1/fc2``, ``modulation.lin`` -> ``modulation.linear``,
+  under ``transformer.`` and ``diffusion_model.``); ``comfy/ldm/hunyuan_video/model.py``.
+- Chroma (a Flux without per-block modulation): diffusers ``ChromaApproximator``
+  (``distilled_guidance_layer.layers.N.linear_1/linear_2`` = ComfyUI's ``MLPEmbedder``
+  ``in_layer/out_layer``; ``in_proj``/``out_proj`` the same in both); ComfyUI's key map has
+  no name for these, so inside ComfyUI they are placed by this table alone.
+
+Inside ComfyUI these tables come second: `lora_runtime.files.host_keys` reads ComfyUI's own
+key map (``model_lora_keys_unet`` of the model at hand, at run time) and its targets win;
+the tables place what that map does not know, and tell the family when the host gives none.
 
 Refused (resolve returns None; see DIALECTS.md): adapters that target a FUSED
 projection the model holds split (Qwen-Image ``attn.to_qkv`` / ``to_added_qkv``): the
@@ -189,12 +209,24 @@ def _linear1(i: int) -> RowsRule:
     return rule
 
 
+def _qkv_part(i: int) -> RowsRule:
+    """Z-Image ``attention.qkv`` = [q | k | v], each ``dim`` rows (dim = in_features), as
+    z_image_to_diffusers slices it; a grouped-query qkv (out != 3 * dim) has no such thirds."""
+    def rule(shape):
+        out, h = shape[0], shape[1]
+        if out != 3 * h:
+            return False
+        return (i * h, (i + 1) * h)
+    return rule
+
+
 def _linear1_qkv(shape):
     out, h = shape[0], shape[1]
     return (0, 3 * h) if out > 3 * h else False
 
 
 D, X, N = "diffusers", "xlabs", "native"
+P = "diffusion-pipe"   # HunyuanVideo's original-release names (diffusion-pipe, musubi-tuner)
 A = "ai-toolkit"   # names only ai-toolkit's old LoKr files have (native and diffusers mixed)
 _B = r"(\d+)"
 
@@ -262,6 +294,10 @@ FLUX_TABLE: list[tuple[str, list[tuple[str, str, RowsRule]]]] = [
     (r"single_stream_modulation\.lin", [(D, "single_stream_modulation.linear", _whole)]),
     (r"final_layer\.linear", [(D, "proj_out", _whole)]),
     (r"final_layer\.adaLN_modulation\.1", [(D, "norm_out.linear", _swap)]),
+    # Chroma's approximator: diffusers' PixArtAlphaTextProjection layers = ComfyUI's MLPEmbedder
+    (rf"distilled_guidance_layer\.layers\.{_B}\.in_layer", [(D, "distilled_guidance_layer.layers.{0}.linear_1", _whole)]),
+    (rf"distilled_guidance_layer\.layers\.{_B}\.out_layer", [(D, "distilled_guidance_layer.layers.{0}.linear_2", _whole)]),
+    (r"distilled_guidance_layer\.(?:in_proj|out_proj)", []),
 ]
 
 # ComfyUI's Qwen-Image already uses diffusers' names: no renames, only these natives.
@@ -324,20 +360,83 @@ WAN_TABLE: list[tuple[str, list]] = [
     (r"patch_embedding", []),
 ]
 
+_ZB = r"(layers|noise_refiner|context_refiner)\.(\d+)"   # Z-Image's three block lists
+
+ZIMAGE_TABLE: list[tuple[str, list]] = [
+    (rf"{_ZB}\.attention\.qkv", [
+        (D, "{0}.{1}.attention.to_q", _qkv_part(0)),
+        (D, "{0}.{1}.attention.to_k", _qkv_part(1)),
+        (D, "{0}.{1}.attention.to_v", _qkv_part(2))]),
+    (rf"{_ZB}\.attention\.out", [(D, "{0}.{1}.attention.to_out.0", _whole)]),
+    (rf"{_ZB}\.attention\.q_norm", [(D, "{0}.{1}.attention.norm_q", _whole)]),
+    (rf"{_ZB}\.attention\.k_norm", [(D, "{0}.{1}.attention.norm_k", _whole)]),
+    (r"x_embedder", [(D, "all_x_embedder.2-1", _whole)]),
+    (r"final_layer\.linear", [(D, "all_final_layer.2-1.linear", _whole)]),
+    (r"final_layer\.adaLN_modulation\.1", [(D, "all_final_layer.2-1.adaLN_modulation.1", _whole)]),
+    # same name in both namings
+    (rf"{_ZB}\.(?:feed_forward\.w[123]|adaLN_modulation\.0|attention_norm[12]|ffn_norm[12])", []),
+    (r"cap_embedder\.[01]|t_embedder\.mlp\.[02]", []),
+]
+
+_HB = r"double_blocks\.(\d+)\.(img|txt)"
+_TR = r"txt_in\.individual_token_refiner\.blocks\.(\d+)"
+
+HUNYUAN_VIDEO_TABLE: list[tuple[str, list]] = [
+    (rf"{_HB}_mod\.lin", [(P, "double_blocks.{0}.{1}_mod.linear", _whole)]),
+    (rf"{_HB}_attn\.qkv", [(P, "double_blocks.{0}.{1}_attn_qkv", _whole)]),
+    (rf"{_HB}_attn\.proj", [(P, "double_blocks.{0}.{1}_attn_proj", _whole)]),
+    (rf"{_HB}_mlp\.0", [(P, "double_blocks.{0}.{1}_mlp.fc1", _whole)]),
+    (rf"{_HB}_mlp\.2", [(P, "double_blocks.{0}.{1}_mlp.fc2", _whole)]),
+    (rf"single_blocks\.{_B}\.modulation\.lin", [(P, "single_blocks.{0}.modulation.linear", _whole)]),
+    (rf"{_TR}\.self_attn\.qkv", [(P, "txt_in.individual_token_refiner.blocks.{0}.self_attn_qkv", _whole)]),
+    (rf"{_TR}\.self_attn\.proj", [(P, "txt_in.individual_token_refiner.blocks.{0}.self_attn_proj", _whole)]),
+    (rf"{_TR}\.mlp\.0", [(P, "txt_in.individual_token_refiner.blocks.{0}.mlp.fc1", _whole)]),
+    (rf"{_TR}\.mlp\.2", [(P, "txt_in.individual_token_refiner.blocks.{0}.mlp.fc2", _whole)]),
+    # same name in both namings (listed so a file of them is read as HunyuanVideo's, not Flux's)
+    (rf"{_HB}_attn\.norm\.(?:query|key)_norm", []),
+    (rf"single_blocks\.{_B}\.(?:linear1|linear2|norm\.(?:query|key)_norm)", []),
+    (r"(?:time_in|vector_in|guidance_in|time_r_in)\.(?:in|out)_layer|final_layer\.(?:linear|adaLN_modulation\.1)", []),
+    (rf"{_TR}\.adaLN_modulation\.1", []),
+    (r"txt_in\.(?:input_embedder|[tc]_embedder\.(?:in|out)_layer)", []),
+    (r"img_in\.proj|byt5_in\.fc[123]|vision_in\.proj\.[13]", []),
+]
+
 FAMILY_TABLES: dict[str, list[tuple[str, list]]] = {
-    "Flux": FLUX_TABLE, "Qwen-Image": QWEN_TABLE, "LTX-Video": LTX_TABLE, "Wan": WAN_TABLE}
+    "Flux": FLUX_TABLE, "HunyuanVideo": HUNYUAN_VIDEO_TABLE, "Z-Image": ZIMAGE_TABLE, "Qwen-Image": QWEN_TABLE,
+    "LTX-Video": LTX_TABLE, "Wan": WAN_TABLE}
 
 # module names that mark a model's family (checked in this order)
 _FAMILY_MARKS: list[tuple[str, re.Pattern]] = [
+    # before Flux: ComfyUI builds HunyuanVideo from Flux's double/single blocks
+    ("HunyuanVideo", re.compile(r"txt_in\.individual_token_refiner\.blocks\.\d+\.self_attn\.qkv$")),
     ("Flux", re.compile(r"(double_blocks\.\d+\.img_attn\.qkv|single_blocks\.\d+\.linear1)$")),
     ("Qwen-Image", re.compile(r"transformer_blocks\.\d+\.img_mod\.1$")),
     ("LTX-Video", re.compile(r"(transformer_blocks\.\d+\.attn1\.to_q|adaln_single\.linear|patchify_proj)$")),
     ("Wan", re.compile(r"blocks\.\d+\.(self_attn|cross_attn)\.q$")),
+    ("Z-Image", re.compile(r"(layers|noise_refiner)\.\d+\.attention\.qkv$")),
 ]
 
 # For families whose two namings share most names, a literal name is read in the naming
 # its prefix says (diffusers writes "transformer."); a bare name in the default one.
-_SHARED_NAMES = {"Qwen-Image": "diffusers", "LTX-Video": "native"}
+# family -> (naming of a bare name, {prefix: naming other than native})
+_SHARED_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    "Flux": (N, {"transformer.": D, "lora_transformer_": D, "lycoris_": D}),   # e.g. Chroma's in_proj
+    "Qwen-Image": (D, {"transformer.": D, "base_model.model.": D}),
+    "LTX-Video": (N, {"transformer.": D, "base_model.model.": D}),
+    "Z-Image": (N, {"transformer.": D, "base_model.model.": D, "lycoris_": D}),
+    "HunyuanVideo": (N, {"transformer.": P}),
+}
+
+
+def _shared_naming(family: str, prefix: str, prefer: str | None) -> str:
+    """The naming a name both namings of `family` share is read in: the file's (``prefer``),
+    else the one its prefix says (``transformer.`` = diffusers, ...; a bare name: the family's
+    default; any other prefix: native)."""
+    bare, by_prefix = _SHARED_NAMES[family]
+    naming = prefer or (by_prefix.get(prefix, N) if prefix else bare)
+    if naming != N and not any(d.family == family and d.naming == naming for d in DIALECTS):
+        naming = N
+    return naming
 
 # --- the dialect table: drives the labels, DIALECTS.md and the tests ---------------
 
@@ -350,7 +449,8 @@ DIALECTS: list[Dialect] = [
             "transformer.transformer_blocks.0.attn.to_q",
             "diffusers/ai-toolkit/fal/DiffSynth: to_q/to_k/to_v = thirds of img_attn.qkv, add_*_proj = thirds of "
             "txt_attn.qkv, single to_q/to_k/to_v/proj_mlp = rows of linear1, norm_out.linear = "
-            "final_layer.adaLN_modulation.1 with halves swapped"),
+            "final_layer.adaLN_modulation.1 with halves swapped; Chroma: distilled_guidance_layer.layers.N."
+            "linear_1/linear_2 = in_layer/out_layer (ComfyUI's key map has no name for them)"),
     Dialect("Flux kohya-diffusers (OneTrainer)", "Flux", D, ("lora_transformer_", "lora_unet_"),
             "lora_transformer_single_transformer_blocks_0_proj_mlp",
             "as Flux diffusers; also kohya's SD scripts run on Flux (lora_unet_ + diffusers names, a trailing '_' "
@@ -392,6 +492,31 @@ DIALECTS: list[Dialect] = [
             "transformer.blocks.0.attn1.to_q",
             "attn1/attn2 -> self_attn/cross_attn, ffn.net.0.proj -> ffn.0, norm2 <-> norm3, scale_shift_table -> "
             "modulation; whole module"),
+    Dialect("Z-Image native", "Z-Image", N, _NATIVE_DOTTED,
+            "diffusion_model.layers.0.attention.qkv", "ComfyUI's names (Lumina2 NextDiT); whole module"),
+    Dialect("Z-Image kohya", "Z-Image", N, ("lora_unet_",), "lora_unet_layers_0_attention_qkv",
+            "native name, '_' for '.'; whole module"),
+    Dialect("Z-Image diffusers", "Z-Image", D, ("transformer.", "diffusion_model.", "", "base_model.model."),
+            "transformer.layers.0.attention.to_q",
+            "diffusers/ai-toolkit/musubi-tuner: attention.to_q/to_k/to_v = rows [0, h), [h, 2h), [2h, 3h) of "
+            "attention.qkv (h = dim), attention.to_out.0 = attention.out, norm_q/norm_k = q_norm/k_norm, "
+            "all_x_embedder.2-1 = x_embedder, all_final_layer.2-1.* = final_layer.*; in layers, noise_refiner and "
+            "context_refiner"),
+    Dialect("Z-Image LyCORIS", "Z-Image", D, ("lycoris_",), "lycoris_layers_0_attention_to_q",
+            "as Z-Image diffusers, '_' for '.'"),
+    Dialect("HunyuanVideo native", "HunyuanVideo", N, _NATIVE_DOTTED,
+            "diffusion_model.double_blocks.0.img_attn.qkv",
+            "ComfyUI's names (Flux's blocks, 1.0 and 1.5); whole module"),
+    Dialect("HunyuanVideo kohya", "HunyuanVideo", N, ("lora_unet_",), "lora_unet_double_blocks_0_img_attn_qkv",
+            "native name, '_' for '.'; whole module"),
+    Dialect("HunyuanVideo diffusion-pipe", "HunyuanVideo", P, ("transformer.", "diffusion_model."),
+            "transformer.double_blocks.0.img_attn_qkv",
+            "the original release's names: img/txt_mod.linear = _mod.lin, img/txt_attn_qkv = _attn.qkv, "
+            "img/txt_attn_proj = _attn.proj, img/txt_mlp.fc1/fc2 = _mlp.0/2, single modulation.linear = "
+            "modulation.lin, token refiner self_attn_qkv/self_attn_proj/mlp.fc1/fc2; whole module"),
+    Dialect("HunyuanVideo musubi-tuner", "HunyuanVideo", P, ("lora_unet_",), "lora_unet_double_blocks_0_img_mod_linear",
+            "the original release's names, '_' for '.' (ComfyUI's key map has no place for img_mod_linear, "
+            "img_mlp_fc1, ...: the pack's table places them)"),
     # any model: the model's own names
     Dialect("kohya", None, N, ("lora_unet_", "lora_unet__", "lora_transformer_", "lycoris_", "lora_te_"),
             "lora_unet_<module_path>", "the model's module name, '_' for '.'"),
@@ -444,9 +569,11 @@ def model_family(modules: Mapping[str, nn.Module]) -> str | None:
 
 
 class _Index:
-    def __init__(self, modules: Mapping[str, nn.Module]):
-        self.family = model_family(modules)
+    def __init__(self, modules: Mapping[str, nn.Module], family: str | None = None):
+        # the host's word (ComfyUI's model class) first; the module names only without one
+        self.family = (family or None) if family is not None else model_family(modules)
         self.names: dict[str, list[_Entry]] = {}
+        self.shared: set[str] = set()   # native names no other naming of the family renames
         natives: dict[str, tuple[nn.Module | None, bool]] = {}
         for name, mod in modules.items():
             if not name or name.endswith(".base_layer"):
@@ -465,6 +592,7 @@ class _Index:
         table = FAMILY_TABLES.get(self.family, [])
         compiled = [(re.compile(pat), alts) for pat, alts in table]
         for name, (mod, is_param) in natives.items():
+            self.shared.add(name)
             for rx, alts in compiled:
                 m = rx.fullmatch(name)
                 if not m:
@@ -481,6 +609,7 @@ class _Index:
                             continue
                     alias = template.format(*m.groups())
                     self.names.setdefault(alias, []).append(_Entry(name, rows, naming, is_param))
+                    self.shared.discard(name)
                 break
         self.flat: dict[str, list[str]] = {}
         for name in self.names:
@@ -498,21 +627,23 @@ class _Index:
 # A few recent indexes, keyed by the mapping's first and last module (weakly: a cached
 # index never keeps a model alive) and its length; a fresh dict(model.named_modules())
 # of the same model finds its index again.
-_CACHE: list[tuple[weakref.ref, weakref.ref, int, _Index]] = []
+_CACHE: list[tuple[weakref.ref, weakref.ref, int, str | None, _Index]] = []
 
 
-def _index(modules: Mapping[str, nn.Module]) -> _Index:
+def _index(modules: Mapping[str, nn.Module], family: str | None = None) -> _Index:
+    """The index of these modules; ``family``: the host's family for the model ('' = none of the
+    tables), None = read it from the module names (`model_family`)."""
     if not modules:
-        return _Index(modules)
+        return _Index(modules, family)
     values = list(modules.values()) if not isinstance(modules, dict) else None
     first = values[0] if values is not None else next(iter(modules.values()))
     last = values[-1] if values is not None else next(reversed(modules.values()))
-    for a, b, n, idx in _CACHE:
-        if a() is first and b() is last and n == len(modules):
+    for a, b, n, fam, idx in _CACHE:
+        if a() is first and b() is last and n == len(modules) and fam == family:
             return idx
-    idx = _Index(modules)
+    idx = _Index(modules, family)
     try:
-        _CACHE.insert(0, (weakref.ref(first), weakref.ref(last), len(modules), idx))
+        _CACHE.insert(0, (weakref.ref(first), weakref.ref(last), len(modules), family, idx))
         del _CACHE[4:]
     except TypeError:   # not weak-referenceable: no caching
         pass
@@ -541,22 +672,23 @@ def _pick(found: list[_Entry], prefer: str | None, prefix: str, family: str | No
         e = found[0]
         if family in _SHARED_NAMES and all(x.naming == N for x in found):
             # a name both namings share: the prefix (or the file) says which it is
-            naming = prefer or ("diffusers" if prefix in ("transformer.", "base_model.model.") else
-                                "native" if prefix else _SHARED_NAMES[family])
-            if naming == D and not any(d.family == family and d.naming == D for d in DIALECTS):
-                naming = N
-            return _Entry(e.native, e.rows, naming, e.param)
+            return _Entry(e.native, e.rows, _shared_naming(family, prefix, prefer), e.param)
+        if prefer:   # one target under several names (kohya's '_' for '.' of two namings): the file's
+            e = next((x for x in found if x.naming == prefer), e)
         return e
-    for naming in ((prefer,) if prefer else ()) + (N, D, X, A):
+    for naming in ((prefer,) if prefer else ()) + (N, D, X, P, A):
         hits = [e for e in found if e.naming == naming]
         if len({(e.native, e.rows) for e in hits}) == 1:
             return hits[0]
     return None   # ambiguous: refuse rather than guess
 
 
-def resolve(stem: str, modules: Mapping[str, nn.Module], *, prefer: str | None = None) -> Target | None:
-    """Where `stem` goes in the model whose ``named_modules()`` are `modules` (see the module doc)."""
-    idx = _index(modules)
+def resolve(stem: str, modules: Mapping[str, nn.Module], *, prefer: str | None = None,
+            family: str | None = None) -> Target | None:
+    """Where `stem` goes in the model whose ``named_modules()`` are `modules` (see the module doc).
+    ``family``: the model's family as the host knows it (ComfyUI's model class), '' for none of
+    the tables; None: read from the module names."""
+    idx = _index(modules, family)
     prefix, found = _candidates(stem, idx)
     e = _pick(found, prefer, prefix, idx.family)
     if e is None:
@@ -565,17 +697,19 @@ def resolve(stem: str, modules: Mapping[str, nn.Module], *, prefer: str | None =
     return Target(e.native, rows, _label(idx.family, e.naming, prefix), e.param, e.rows == "swap")
 
 
-def resolve_all(stems: Iterable[str], modules: Mapping[str, nn.Module]) -> dict[str, Target | None]:
+def resolve_all(stems: Iterable[str], modules: Mapping[str, nn.Module], *,
+                family: str | None = None) -> dict[str, Target | None]:
     """Resolve one file's stems in the naming the file as a whole uses: a name that two
     namings read differently (Wan diffusers ``norm2``) is read in the naming the file's
-    unambiguous stems show."""
+    unambiguous stems show. A name no other naming renames (Z-Image ``feed_forward.w1``)
+    does not vote. ``family``: as in `resolve`."""
     stems = list(stems)
-    idx = _index(modules)
+    idx = _index(modules, family)
     votes: Counter = Counter()
     for s in stems:
         _, found = _candidates(s, idx)
         namings = {e.naming for e in found}
-        if len(namings) == 1:
+        if len(namings) == 1 and not (namings == {N} and all(e.native in idx.shared for e in found)):
             votes[next(iter(namings))] += 1
     prefer = None
     others = {n: c for n, c in votes.items() if n != N}
@@ -583,7 +717,7 @@ def resolve_all(stems: Iterable[str], modules: Mapping[str, nn.Module]) -> dict[
         best = max(others, key=others.get)
         if others[best] > votes.get(N, 0):
             prefer = best
-    return {s: resolve(s, modules, prefer=prefer) for s in stems}
+    return {s: resolve(s, modules, prefer=prefer, family=family) for s in stems}
 
 
 def overlaps(targets: Iterable[Target | None]) -> list[tuple[Target, Target]]:
@@ -614,7 +748,7 @@ def _text_patterns() -> list[tuple[str, str, re.Pattern, re.Pattern]]:
             for naming, template, _ in alts:
                 rx = re.escape(template)
                 for k in range(4):
-                    rx = rx.replace(re.escape("{%d}" % k), r"(\d+|attn[12])")
+                    rx = rx.replace(re.escape("{%d}" % k), r"(\d+|attn[12]|img|txt|layers|noise_refiner|context_refiner)")
                 out.append((family, naming, rx))
     return [(f, n, re.compile(p), re.compile(p.replace(r"\.", "_"))) for f, n, p in out]
 
@@ -631,16 +765,19 @@ def _text_matches(stem: str) -> tuple[str, set[tuple[str, str]]]:
     return prefix, hits
 
 
-def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None = None) -> str:
+def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None = None, *,
+                 family: str | None = None) -> str:
     """The dialect most of these stems are written in (a `DIALECTS` name).
 
     With the model's modules: the commonest label among the stems that resolve. Without
-    (or when none resolves): read from the names alone, by the same family tables."""
+    (or when none resolves): read from the names alone, by the same family tables.
+    ``family``: as in `resolve`."""
     stems = list(stems)
     if not stems:
         return "unknown"
     if modules is not None:
-        labels = Counter(t.dialect for t in resolve_all(stems, modules).values() if t is not None)
+        labels = Counter(t.dialect for t in resolve_all(stems, modules, family=family).values()
+                         if t is not None)
         marks = [d.name for d in DIALECTS if d.naming == A and d.name in labels]
         if marks:   # names only that naming has: they name the file (the rest is the usual names)
             return marks[0]
@@ -663,13 +800,10 @@ def dialect_name(stems: Iterable[str], modules: Mapping[str, nn.Module] | None =
         namings = {n for f, n in hits if f == family}
         if len(namings) == 1:
             naming_votes[next(iter(namings))] += 1
-    namings = [n for n in (D, X) if naming_votes[n]]
+    namings = [n for n in (D, X, P) if naming_votes[n]]
     naming = max(namings, key=lambda n: naming_votes[n]) if namings else N
     if naming_votes[A]:   # names only that naming has: they name the file
         naming = A
     if naming == N and family in _SHARED_NAMES and not namings:
-        naming = ("diffusers" if prefix in ("transformer.", "base_model.model.") else
-                  "native" if prefix else _SHARED_NAMES[family])
-        if naming == D and not any(d.family == family and d.naming == D for d in DIALECTS):
-            naming = N
+        naming = _shared_naming(family, prefix, None)
     return _label(family, naming, prefix)

@@ -65,7 +65,15 @@ def split_key(key: str) -> tuple[str, str, str | None] | None:
 
 # (family, patterns any of which marks it); checked in this order
 _FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    # before Flux: HunyuanVideo's original names (diffusion-pipe, musubi-tuner), its token refiner
+    # (dotted img_attn_qkv only: kohya's Flux names write img_attn.qkv as _img_attn_qkv)
+    ("HunyuanVideo", (".img_attn_qkv", ".txt_attn_qkv", ".img_attn_proj", ".txt_attn_proj", "img_mod.linear",
+                      "img_mod_linear", "txt_mod.linear", "txt_mod_linear", "img_mlp.fc", "img_mlp_fc",
+                      "txt_mlp.fc", "txt_mlp_fc", "individual_token_refiner")),
     ("Flux", ("double_blocks", "single_blocks", "single_transformer_blocks", "img_attn", "txt_attn")),
+    # before Wan ("ffn" is in ffn_norm1): Z-Image / Lumina2 (NextDiT) names, native and diffusers
+    ("Z-Image", ("noise_refiner", "context_refiner", "feed_forward", "attention.qkv", "attention_qkv",
+                 "attention.to_", "attention_to_", "all_x_embedder", "all_final_layer", "cap_embedder")),
     ("Qwen-Image", ("img_mlp", "txt_mlp", "img_mod", "txt_mod")),
     ("LTX-Video", ("scale_shift_table", "adaln_single", "caption_projection")),
     ("Wan", ("self_attn", "cross_attn", "attn1", "attn2", "ffn")),

@@ -1,4 +1,5 @@
-"""Tiny skeletons with ComfyUI's native module names (Flux, Flux 2, Qwen-Image, LTX-Video, Wan)
+"""Tiny skeletons with ComfyUI's native module names (Flux, Flux 2, Chroma, Qwen-Image, LTX-Video, Wan,
+Z-Image, HunyuanVideo 1.0 and 1.5)
 and adapter files in every key dialect, with the dense delta each native module
 should receive — written out by hand here, independently of
 ``lora_runtime.files.dialects`` (nothing in this file calls the resolver).
@@ -16,6 +17,13 @@ Module names and shapes follow ComfyUI's ``comfy/ldm/flux/layers.py`` + ``model.
 SwiGLU MLPs (``img_mlp.0`` and ``linear1``'s MLP part twice the hidden width), no per-block
 modulation but ``double_stream_modulation_img/txt.lin`` and ``single_stream_modulation.lin``
 at the top, no ``vector_in``; diffusers names from ``Flux2Transformer2DModel``.
+Chroma (``comfy/ldm/chroma``): Flux's blocks without per-block modulation, no final adaLN, the
+``distilled_guidance_layer`` approximator (diffusers ``ChromaApproximator``: ``layers.N.linear_1/2``
+for ComfyUI's ``in_layer/out_layer``). Z-Image (``comfy/ldm/lumina/model.py``, ``z_image_modulation``):
+``layers`` / ``noise_refiner`` / ``context_refiner`` blocks with a fused ``attention.qkv``; diffusers
+names after ComfyUI's ``z_image_to_diffusers`` facts. HunyuanVideo (``comfy/ldm/hunyuan_video/model.py``:
+Flux's double/single blocks, a token refiner; 1.5: byT5 and vision projections, no vector_in, no
+single blocks here); diffusion-pipe names after ``model_lora_keys_unet``'s renames.
 """
 from __future__ import annotations
 
@@ -284,8 +292,157 @@ class TinyWan(nn.Module):
                                      nn.LayerNorm(d))
 
 
+class _ChromaDoubleBlock(_DoubleBlock):
+    def __init__(self, h, heads, mlp):
+        super().__init__(h, heads, mlp)
+        del self.img_mod, self.txt_mod
+
+
+class _ChromaSingleBlock(_SingleBlock):
+    def __init__(self, h, heads, mlp):
+        super().__init__(h, heads, mlp)
+        del self.modulation
+
+
+class _Approximator(nn.Module):
+    def __init__(self, i, h, out, n):
+        super().__init__()
+        self.in_proj = nn.Linear(i, h)
+        self.layers = nn.ModuleList(_MLPEmbedder(h, h) for _ in range(n))
+        self.norms = nn.ModuleList(nn.RMSNorm(h) for _ in range(n))
+        self.out_proj = nn.Linear(h, out)
+
+
+class TinyChroma(nn.Module):
+    """Chroma names (ComfyUI comfy/ldm/chroma): hidden 32, 2 heads, 2 double + 2 single blocks, a
+    2-layer approximator."""
+
+    def __init__(self, hidden=32, heads=2, mlp_ratio=4, depth=2, depth_single=2, in_ch=16, ctx=24, approx_in=8,
+                 approx_hidden=40, approx_layers=2):
+        super().__init__()
+        self.hidden_size, self.mlp_hidden = hidden, hidden * mlp_ratio
+        h, mlp = hidden, hidden * mlp_ratio
+        self.img_in = nn.Linear(in_ch, h)
+        self.txt_in = nn.Linear(ctx, h)
+        self.distilled_guidance_layer = _Approximator(approx_in, approx_hidden, h, approx_layers)
+        self.double_blocks = nn.ModuleList(_ChromaDoubleBlock(h, heads, mlp) for _ in range(depth))
+        self.single_blocks = nn.ModuleList(_ChromaSingleBlock(h, heads, mlp) for _ in range(depth_single))
+        self.final_layer = _LastLayer(h, in_ch)
+        del self.final_layer.adaLN_modulation
+
+
+class _ZAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.q_norm, self.k_norm = nn.RMSNorm(d // heads), nn.RMSNorm(d // heads)
+
+
+class _ZFeedForward(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False), nn.Linear(d, f, bias=False)
+
+
+class _ZBlock(nn.Module):
+    def __init__(self, d, heads, f, modulation, t_dim):
+        super().__init__()
+        self.attention = _ZAttention(d, heads)
+        self.feed_forward = _ZFeedForward(d, f)
+        for n in ("attention_norm1", "ffn_norm1", "attention_norm2", "ffn_norm2"):
+            setattr(self, n, nn.RMSNorm(d))
+        if modulation:
+            self.adaLN_modulation = _seq(nn.Linear(t_dim, 4 * d))
+
+
+class TinyZImage(nn.Module):
+    """NextDiT with Z-Image's modulation (ComfyUI comfy/ldm/lumina/model.py): dim 32, 2 heads, 2 layers,
+    2 noise-refiner and 2 context-refiner blocks, patch 2, 4 channels."""
+
+    def __init__(self, d=32, heads=2, depth=2, refiners=2, f=64, in_ch=4, patch=2, cap=24, t_dim=32, freq=16):
+        super().__init__()
+        self.dim = d
+        self.x_embedder = nn.Linear(patch * patch * in_ch, d)
+        self.noise_refiner = nn.ModuleList(_ZBlock(d, heads, f, True, t_dim) for _ in range(refiners))
+        self.context_refiner = nn.ModuleList(_ZBlock(d, heads, f, False, t_dim) for _ in range(refiners))
+        self.t_embedder = nn.Module()
+        self.t_embedder.mlp = _seq(nn.Linear(freq, t_dim), nn.SiLU(), nn.Linear(t_dim, t_dim))
+        self.cap_embedder = _seq(nn.RMSNorm(cap), nn.Linear(cap, d))
+        self.layers = nn.ModuleList(_ZBlock(d, heads, f, True, t_dim) for _ in range(depth))
+        self.final_layer = nn.Module()
+        self.final_layer.norm_final = nn.LayerNorm(d, elementwise_affine=False)
+        self.final_layer.linear = nn.Linear(d, patch * patch * in_ch)
+        self.final_layer.adaLN_modulation = _seq(nn.SiLU(), nn.Linear(t_dim, d))
+        self.x_pad_token = nn.Parameter(torch.zeros(1, d))
+        self.cap_pad_token = nn.Parameter(torch.zeros(1, d))
+
+
+class _RefinerBlock(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.adaLN_modulation = _seq(nn.SiLU(), nn.Linear(h, 2 * h))
+        self.norm1 = nn.LayerNorm(h)
+        self.self_attn = nn.Module()
+        self.self_attn.qkv = nn.Linear(h, 3 * h)
+        self.self_attn.proj = nn.Linear(h, h)
+        self.norm2 = nn.LayerNorm(h)
+        self.mlp = _seq(nn.Linear(h, 4 * h), nn.SiLU(), nn.Linear(4 * h, h))
+
+
+class _TokenRefiner(nn.Module):
+    def __init__(self, ctx, h, blocks, t_dim):
+        super().__init__()
+        self.input_embedder = nn.Linear(ctx, h)
+        self.t_embedder = _MLPEmbedder(t_dim, h)
+        self.c_embedder = _MLPEmbedder(ctx, h)
+        self.individual_token_refiner = nn.Module()
+        self.individual_token_refiner.blocks = nn.ModuleList(_RefinerBlock(h) for _ in range(blocks))
+
+
+class TinyHunyuanVideo(nn.Module):
+    """HunyuanVideo names (ComfyUI comfy/ldm/hunyuan_video/model.py): hidden 32, 2 heads, 2 double +
+    2 single blocks, a 2-block token refiner. ``v15=True``: HunyuanVideo 1.5's layout (no vector_in
+    or guidance_in, no single blocks, byT5 and vision projections, cond_type_embedding)."""
+
+    def __init__(self, hidden=32, heads=2, mlp_ratio=4, depth=2, depth_single=2, in_ch=16, ctx=24, vec=12,
+                 t_dim=8, v15=False, byt5=20, vision=20):
+        super().__init__()
+        self.hidden_size, self.mlp_hidden = hidden, hidden * mlp_ratio
+        h, mlp = hidden, hidden * mlp_ratio
+        self.img_in = nn.Module()
+        self.img_in.proj = nn.Conv3d(in_ch, h, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+        self.time_in = _MLPEmbedder(t_dim, h)
+        if not v15:
+            self.vector_in = _MLPEmbedder(vec, h)
+            self.guidance_in = _MLPEmbedder(t_dim, h)
+        self.txt_in = _TokenRefiner(ctx, h, 2, t_dim)
+        self.double_blocks = nn.ModuleList(_DoubleBlock(h, heads, mlp) for _ in range(depth))
+        self.single_blocks = nn.ModuleList(_SingleBlock(h, heads, mlp) for _ in range(0 if v15 else depth_single))
+        if v15:
+            self.byt5_in = nn.Module()
+            self.byt5_in.layernorm = nn.LayerNorm(byt5)
+            self.byt5_in.fc1, self.byt5_in.fc2 = nn.Linear(byt5, 2 * h), nn.Linear(2 * h, 2 * h)
+            self.byt5_in.fc3 = nn.Linear(2 * h, h)
+            self.vision_in = nn.Module()
+            self.vision_in.proj = _seq(nn.LayerNorm(vision), nn.Linear(vision, vision), nn.GELU(),
+                                       nn.Linear(vision, h), nn.LayerNorm(h))
+            self.cond_type_embedding = nn.Embedding(3, h)
+        self.final_layer = _LastLayer(h, in_ch * 4)
+
+
+def TinyHunyuanVideo15(**kw):
+    return TinyHunyuanVideo(v15=True, **kw)
+
+
 MODELS = {"Flux": TinyFlux, "Flux 2": TinyFlux2, "Qwen-Image": TinyQwenImage, "LTX-Video": TinyLTXVideo,
           "Wan": TinyWan}
+# Families added with ComfyUI's key maps (tests/runtime/test_dialect_families.py): kept apart because
+# Chroma's files carry Flux's dialect labels and HunyuanVideo has no bare parameter, which the
+# per-family checks over MODELS assume
+MORE_MODELS = {"Chroma": TinyChroma, "Z-Image": TinyZImage, "HunyuanVideo": TinyHunyuanVideo,
+               "HunyuanVideo 1.5": TinyHunyuanVideo15}
+ALL_MODELS = {**MODELS, **MORE_MODELS}
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -432,6 +589,65 @@ def wan_layers(model: TinyWan, naming: str):
     return out
 
 
+def chroma_layers(model: TinyChroma, naming: str):
+    """Every Linear of TinyChroma: native, or diffusers (Flux's diffusers names of the modules Chroma
+    has, and the approximator's PixArt-style layers)."""
+    if naming == "native":
+        return [(n, n, None, False) for n in linear_names(model)]
+    have = set(linear_names(model))
+    out = [e for e in flux_layers(model, "diffusers") if e[1] in have]
+    out += [("distilled_guidance_layer.in_proj", "distilled_guidance_layer.in_proj", None, False),
+            ("distilled_guidance_layer.out_proj", "distilled_guidance_layer.out_proj", None, False)]
+    for i in range(len(model.distilled_guidance_layer.layers)):
+        a = f"distilled_guidance_layer.layers.{i}"
+        out += [(f"{a}.linear_1", f"{a}.in_layer", None, False), (f"{a}.linear_2", f"{a}.out_layer", None, False)]
+    assert {e[1] for e in out} == have
+    return out
+
+
+# Z-Image diffusers names that differ from ComfyUI's (z_image_to_diffusers facts)
+_Z_TOP = {"x_embedder": "all_x_embedder.2-1", "final_layer.linear": "all_final_layer.2-1.linear",
+          "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1"}
+
+
+def zimage_layers(model: TinyZImage, naming: str):
+    """Every Linear of TinyZImage; diffusers: q/k/v thirds (dim rows each) of attention.qkv,
+    to_out.0 for attention.out, all_x_embedder.2-1 / all_final_layer.2-1.* at the top."""
+    if naming == "native":
+        return [(n, n, None, False) for n in linear_names(model)]
+    d = model.dim
+    out = []
+    for n in linear_names(model):
+        if n.endswith(".attention.qkv"):
+            b = n[: -len("qkv")]
+            out += [(f"{b}to_q", n, (0, d), False), (f"{b}to_k", n, (d, 2 * d), False),
+                    (f"{b}to_v", n, (2 * d, 3 * d), False)]
+        elif n.endswith(".attention.out"):
+            out.append((n[: -len("out")] + "to_out.0", n, None, False))
+        else:
+            out.append((_Z_TOP.get(n, n), n, None, False))
+    return out
+
+
+# HunyuanVideo: the original release's names (diffusion-pipe) for ComfyUI's, per name part
+_HV_PIPE = [("_mod.lin", "_mod.linear"), ("_attn.qkv", "_attn_qkv"), ("_attn.proj", "_attn_proj"),
+            ("mlp.0", "mlp.fc1"), ("mlp.2", "mlp.fc2"), (".modulation.lin", ".modulation.linear")]
+
+
+def hunyuan_layers(model: TinyHunyuanVideo, naming: str):
+    """Every Linear of TinyHunyuanVideo: native, or diffusion-pipe (img/txt_mod.linear, img_attn_qkv,
+    img_attn_proj, img_mlp.fc1/fc2, modulation.linear, refiner self_attn_qkv/_proj, mlp.fc1/fc2)."""
+    out = []
+    for n in linear_names(model):
+        f = n
+        if naming == "diffusion-pipe":
+            for a, b in _HV_PIPE:
+                if f.endswith(a) or (a + ".") in f:
+                    f = f.replace(a, b)
+        out.append((f, n, None, False))
+    return out
+
+
 # --- dialects: family, layer naming, how a name is written, key style, expected label ---
 
 def _dots(prefix):
@@ -475,12 +691,49 @@ DIALECT_FILES = {
     "Wan diffusers": ("Wan", "diffusers", _dots("transformer."), PEFT, "Wan diffusers"),
 }
 
-_LAYERS = {"Flux": flux_layers, "Flux 2": flux2_layers, "Qwen-Image": qwen_layers, "LTX-Video": ltx_layers, "Wan": wan_layers}
+# name -> as DIALECT_FILES, for MORE_MODELS' families
+MORE_DIALECT_FILES = {
+    "Chroma native": ("Chroma", "native", _dots("diffusion_model."), KOHYA, "Flux BFL native"),
+    "Chroma diffusers": ("Chroma", "diffusers", _dots("transformer."), PEFT, "Flux diffusers"),
+    "Chroma kohya-diffusers (OneTrainer)": ("Chroma", "diffusers", _flat("lora_transformer_"), KOHYA,
+                                            "Flux kohya-diffusers (OneTrainer)"),
+    "Z-Image native": ("Z-Image", "native", _dots("diffusion_model."), KOHYA, "Z-Image native"),
+    "Z-Image kohya": ("Z-Image", "native", _flat("lora_unet_"), KOHYA, "Z-Image kohya"),
+    "Z-Image diffusers": ("Z-Image", "diffusers", _dots("transformer."), PEFT, "Z-Image diffusers"),
+    "Z-Image LyCORIS": ("Z-Image", "diffusers", _flat("lycoris_"), KOHYA, "Z-Image LyCORIS"),
+    "HunyuanVideo native": ("HunyuanVideo", "native", _dots("diffusion_model."), KOHYA, "HunyuanVideo native"),
+    "HunyuanVideo kohya": ("HunyuanVideo", "native", _flat("lora_unet_"), KOHYA, "HunyuanVideo kohya"),
+    "HunyuanVideo diffusion-pipe": ("HunyuanVideo", "diffusion-pipe", _dots("transformer."), PEFT,
+                                    "HunyuanVideo diffusion-pipe"),
+    "HunyuanVideo 1.5 native": ("HunyuanVideo 1.5", "native", _dots("diffusion_model."), KOHYA,
+                                "HunyuanVideo native"),
+    "HunyuanVideo 1.5 diffusion-pipe": ("HunyuanVideo 1.5", "diffusion-pipe", _dots("transformer."), PEFT,
+                                        "HunyuanVideo diffusion-pipe"),
+    # read in the file's naming (a name both namings share takes the label the file's other names show)
+    "Z-Image diffusers (diffusion_model.)": ("Z-Image", "diffusers", _dots("diffusion_model."), PEFT,
+                                             "Z-Image diffusers"),
+    "Z-Image diffusers (bare)": ("Z-Image", "diffusers", _dots(""), PEFT, "Z-Image diffusers"),
+    "HunyuanVideo diffusion-pipe (diffusion_model.)": ("HunyuanVideo", "diffusion-pipe", _dots("diffusion_model."),
+                                                       PEFT, "HunyuanVideo diffusion-pipe"),
+    "HunyuanVideo musubi-tuner": ("HunyuanVideo", "diffusion-pipe", _flat("lora_unet_"), KOHYA,
+                                  "HunyuanVideo musubi-tuner"),
+}
+# MORE_DIALECT_FILES whose shared names `resolve` alone (no file) labels by their prefix, not as the file
+FILE_CONTEXT_LABELS = {"Z-Image diffusers (diffusion_model.)", "Z-Image diffusers (bare)",
+                       "HunyuanVideo diffusion-pipe (diffusion_model.)", "HunyuanVideo musubi-tuner"}
+
+_LAYERS = {"Flux": flux_layers, "Flux 2": flux2_layers, "Chroma": chroma_layers, "Qwen-Image": qwen_layers,
+           "LTX-Video": ltx_layers, "Wan": wan_layers, "Z-Image": zimage_layers, "HunyuanVideo": hunyuan_layers,
+           "HunyuanVideo 1.5": hunyuan_layers}
+
+
+def _dialect(dialect: str):
+    return DIALECT_FILES[dialect] if dialect in DIALECT_FILES else MORE_DIALECT_FILES[dialect]
 
 
 def dialect_layers(dialect: str, model: nn.Module) -> list[tuple[str, str, tuple[int, int] | None, bool]]:
     """[(stem as written in the file, native module, rows | None, swap halves)]."""
-    family, naming, write, _, _ = DIALECT_FILES[dialect]
+    family, naming, write, _, _ = _dialect(dialect)
     return [(write(f), n, rows, swap) for f, n, rows, swap in _LAYERS[family](model, naming)]
 
 
@@ -489,7 +742,7 @@ def make_dialect_file(dialect: str, model: nn.Module, rank: int = 4, seed: int =
     """(tensors of an adapter file in `dialect` for `model`, expected dense delta per native
     module, float64 [out, in]). kohya-style files carry alpha = rank / 2 (scale 0.5), PEFT
     and XLabs files none (scale 1)."""
-    _, _, _, style, _ = DIALECT_FILES[dialect]
+    _, _, _, style, _ = _dialect(dialect)
     g = torch.Generator().manual_seed(seed)
     mods = dict(model.named_modules())
     tensors: dict[str, torch.Tensor] = {}
