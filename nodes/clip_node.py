@@ -18,7 +18,7 @@ from ..lora_runtime.layer.schedule import parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, check_strength
 from . import intent
 from .caches import ADAPTERS
-from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter, check_lora_name
+from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter, check_lora_name
 
 NAME = "Load LoRA Adapter (model + CLIP)"
 
@@ -90,7 +90,7 @@ class LoadLoraAdapterModelClip:
     def VALIDATE_INPUTS(cls, lora_name):
         return check_lora_name(lora_name, text_encoder_only_ok=True)
 
-    def load(self, model, clip, lora_name, strength_model, strength_clip, unmatched_keys=UNMATCHED_CHOICES[0],
+    def load(self, model, clip, lora_name, strength_model, strength_clip, unmatched_keys=UNMATCHED_DEFAULT,
              **model_inputs):
         if unmatched_keys not in UNMATCHED_CHOICES:
             raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 CATEGORY = "loaders/lora runtime"
 UNMATCHED_CHOICES = ("error", "skip and report")
+# ComfyUI's loading policy, with the report: a file whose keys mostly target this model applies what maps and lists
+# the rest (ComfyUI logs them); a file that looks made for another model is refused whatever this says
+UNMATCHED_DEFAULT = UNMATCHED_CHOICES[1]
 SCHEDULE_TOOLTIP = (
     "Optional strength multiplier over the denoising, applied at run time (never re-merged). Empty: constant. "
     "One value per step: '1, 1, 1, 1, 0, 0, 0, 0' (as many values as the sampler's steps). Keyframes over the "
@@ -62,10 +65,10 @@ class LoadLoraAdapter:
                                               "negative values invert it."}),
         }, "optional": {
             "unmatched_keys": (list(UNMATCHED_CHOICES), {
-                "default": UNMATCHED_CHOICES[0],
-                "tooltip": "error: a key of the file that this model has no layer for stops the run (nothing is "
-                           "dropped silently); skip and report: apply the rest and list the skipped keys on the "
-                           "report."}),
+                "default": UNMATCHED_DEFAULT,
+                "tooltip": "skip and report (default, ComfyUI's policy): apply what maps to this model and list "
+                           "the keys it has no layer for on the report; error: any such key stops the run. A file "
+                           "most of whose keys fit no layer (an adapter for another model) is refused either way."}),
             "strength_schedule": ("STRING", {"default": "", "multiline": False, "tooltip": SCHEDULE_TOOLTIP}),
             "branch": (list(BRANCH_CHOICES), {
                 "default": BRANCH_CHOICES[0],
@@ -95,7 +98,7 @@ class LoadLoraAdapter:
         # does not hand a linked input (the MODEL) to validation.
         return check_lora_name(lora_name)
 
-    def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_CHOICES[0], strength_schedule="",
+    def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_DEFAULT, strength_schedule="",
              branch=BRANCH_CHOICES[0], blocks="", strength_list=None):
         if unmatched_keys not in UNMATCHED_CHOICES:
             raise LoraRuntimeError(f"unmatched_keys {unmatched_keys!r}: use one of {', '.join(UNMATCHED_CHOICES)}")

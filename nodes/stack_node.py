@@ -22,7 +22,7 @@ from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN
-from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, LoadLoraAdapter
+from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter
 
 ROW_KEYS = ("on", "lora", "strength", "schedule", "branch", "blocks")
 NODE = "LoRA Stack"
@@ -99,7 +99,7 @@ class LoraStack:
                            "strength_schedule and blocks take, e.g. 'linear 0:1, 1:0' and '0-9: 0.5, !cross_attn'."}),
         }, "optional": {
             "unmatched_keys": (list(UNMATCHED_CHOICES), {
-                "default": UNMATCHED_CHOICES[0],
+                "default": UNMATCHED_DEFAULT,
                 "tooltip": "For every row: error stops the run on a key this model has no layer for; skip and "
                            "report applies the rest and lists the skipped keys on the report."}),
         }}
@@ -132,7 +132,7 @@ class LoraStack:
                 return str(e)
         return True
 
-    def load(self, model, rows, unmatched_keys=UNMATCHED_CHOICES[0]):
+    def load(self, model, rows, unmatched_keys=UNMATCHED_DEFAULT):
         parsed = parse_rows(rows)
         coverage = []
         loader = LoadLoraAdapter()

@@ -56,7 +56,7 @@ from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 node = pack.NODE_CLASS_MAPPINGS["LoraRuntimeLoadAdapterModelClip"]
 res = {"host": host.NAME, "valid": node.VALIDATE_INPUTS("te_clip.safetensors")}
 try:
-    node().load(None, clip, "te_clip.safetensors", 1.0, 0.7)
+    node().load(None, clip, "te_clip.safetensors", 1.0, 0.7, unmatched_keys="error")
     res["error"] = ""
 except LoraRuntimeError as e:
     res["error"] = str(e)

@@ -136,16 +136,15 @@ def test_text_encoder_only_file_works_here_and_the_model_only_loader_still_refus
     assert cov["file_layers"] == 0 and cov["text_encoder_applied_layers"] == 4
 
 
-def test_layers_the_clip_lacks_are_an_error_by_default_and_a_counted_line_when_skipped(base, loras):
+def test_layers_the_clip_lacks_are_an_error_with_error_and_a_counted_line_by_default(base, loras):
     clip = _clip()
     te, ref = _te_file(clip, layers=(0,), extra_layer=5)  # the tiny CLIP has layers 0 and 1
     save_file({**load_file(str(loras / "style.safetensors")), **te}, str(loras / "style_te5.safetensors"))
     w_clip = _clip_weights(clip)
     with pytest.raises(LoraRuntimeError, match=r"style_te5.safetensors has 4 text-encoder layers \(12 tensors\) "
                                                r"that this CLIP has no place for: no such layer in this CLIP"):
-        LoadLoraAdapterModelClip().load(base, clip, "style_te5.safetensors", 1.0, 1.0)
-    out = LoadLoraAdapterModelClip().load(base, clip, "style_te5.safetensors", 1.0, 1.0,
-                                          unmatched_keys="skip and report")
+        LoadLoraAdapterModelClip().load(base, clip, "style_te5.safetensors", 1.0, 1.0, unmatched_keys="error")
+    out = LoadLoraAdapterModelClip().load(base, clip, "style_te5.safetensors", 1.0, 1.0)   # default: skip and report
     model, new_clip = out["result"]
     cov = out["ui"]["lora_coverage"][0]
     assert (cov["text_encoder_applied_layers"], cov["text_encoder_applied_tensors"]) == (4, 12)

@@ -183,17 +183,18 @@ def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypat
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-def test_unmatched_keys_fail_unless_skip_and_report(folders, models_dir):
+def test_unmatched_keys_are_reported_by_default_and_fail_with_error(folders, models_dir):
     from safetensors.torch import load_file as _load, save_file as _save
     sd = _load(str(models_dir / "loras" / "style.safetensors"))
     sd["diffusion_model.blocks.7.self_attn.q.lora_down.weight"] = torch.zeros(4, 128)  # a block the model lacks
     sd["diffusion_model.blocks.7.self_attn.q.lora_up.weight"] = torch.zeros(128, 4)
     _save(sd, str(models_dir / "loras" / "extra.safetensors"))
+    strict = _prompt(lora="extra.safetensors")
+    strict["2"]["inputs"]["unmatched_keys"] = "error"
     with pytest.raises(NodeExecutionError) as ei:
-        execute_prompt(_prompt(lora="extra.safetensors"), CLASSES, folders=folders)
+        execute_prompt(strict, CLASSES, folders=folders)
     assert ei.value.node_id == "2" and "blocks.7.self_attn.q" in str(ei.value) and "skip and report" in str(ei.value)
-    p = _prompt(lora="extra.safetensors")
-    p["2"]["inputs"]["unmatched_keys"] = "skip and report"
+    p = _prompt(lora="extra.safetensors")   # the default: ComfyUI's policy, the rest applied and reported
     res = execute_prompt(p, CLASSES, folders=folders)
     cov = res.ui["8"]["lora_report"][0]["adapters"][0]["coverage"]
     assert cov["unmatched"] == 1 and "blocks.7.self_attn.q" in cov["unmatched_examples"][0]

@@ -1,4 +1,4 @@
-"""On the nodes: a LoRA with text-encoder keys loads with the default 'unmatched keys: error',
+"""On the nodes: a LoRA with text-encoder keys loads with 'unmatched keys: error' (text-encoder keys are not unmatched),
 the model part gives the same image as the file without them, and the loader's coverage,
 the sampler's report and its text say "N text-encoder layers (M tensors) not applied"."""
 import json
