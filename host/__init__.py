@@ -37,12 +37,12 @@ def _real_comfyui_present() -> bool:
 REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
-    from .comfy_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .comfy_host import (APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                              apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                              requant_seed, scheduler_names, send_report)
     NAME = "comfyui"
 else:
-    from .bundled_host import (APPLY_MODEL, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .bundled_host import (APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                                apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                                requant_seed, scheduler_names, send_report)
     NAME = "bundled"
@@ -53,10 +53,11 @@ def has_wrappers(model, key: str) -> bool:
     return bool(model.get_wrappers(SAMPLER_SAMPLE, key))
 
 
-def add_wrappers(model, key: str, sampler_fn, model_call_fn) -> None:
-    """Register `sampler_fn` on the SAMPLER_SAMPLE hook and `model_call_fn` on the APPLY_MODEL
-    hook of `model` under `key`, each once (clones inherit them)."""
-    if not model.get_wrappers(SAMPLER_SAMPLE, key):
-        model.add_wrapper_with_key(SAMPLER_SAMPLE, key, sampler_fn)
-    if not model.get_wrappers(APPLY_MODEL, key):
-        model.add_wrapper_with_key(APPLY_MODEL, key, model_call_fn)
+def add_wrappers(model, key: str, sampler_fn, model_call_fn, outer_fn=None, prepare_fn=None) -> None:
+    """Register `sampler_fn` on the SAMPLER_SAMPLE hook, `model_call_fn` on the APPLY_MODEL hook,
+    and `outer_fn` / `prepare_fn` on the OUTER_SAMPLE / PREPARE_SAMPLING hooks of `model` under
+    `key`, each once (clones inherit them)."""
+    for hook, fn in ((SAMPLER_SAMPLE, sampler_fn), (APPLY_MODEL, model_call_fn), (OUTER_SAMPLE, outer_fn),
+                     (PREPARE_SAMPLING, prepare_fn)):
+        if fn is not None and not model.get_wrappers(hook, key):
+            model.add_wrapper_with_key(hook, key, fn)

@@ -124,6 +124,10 @@ host_keys.set_provider(key_map)
 
 # --- the wrapper hooks of ComfyUI's own ModelPatcher (registered in host/__init__.py) ----
 SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+# Around CFGGuider.outer_sample (model load, condition processing, sampling, cleanup), and around
+# sampler_helpers.prepare_sampling (where load_models_gpu loads and patches the model)
+OUTER_SAMPLE = comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+PREPARE_SAMPLING = comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING
 # Per model call: BaseModel.apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw),
 # with transformer_options["sigmas"] and ["cond_or_uncond"] set by the sampler for that call.
 APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL

@@ -158,6 +158,7 @@ class ApplyReport:
     patch_seconds: float = 0.0
     fusions: list[dict] = field(default_factory=list)
     params: list[dict] = field(default_factory=list)   # parameter deltas merged (norms, modulation)
+    mounted: object = field(default=None, repr=False)   # the mounted fusion sites while applied
 
     def to_dict(self) -> dict:
         return {
@@ -170,7 +171,7 @@ class ApplyReport:
             "restore_memory": self.restore_memory,
             "merged_weight_bytes": self.merged_weight_bytes,
             "patch_seconds": round(self.patch_seconds, 4),
-            "fusions": self.fusions,
+            "fusions": self.mounted.report() if self.mounted is not None else self.fusions,
             "params": self.params,
         }
 
@@ -336,13 +337,14 @@ def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injec
     try:
         report = inj.apply(p, cache)
         if fusion_backend is not None:
-            mounted = mount_fusions(model, p.tier, fusion_backend)
+            mounted = report.mounted = mount_fusions(model, p.tier, fusion_backend)
         with runtime_context(tier=p.tier):
             yield report
     finally:
         try:
             if mounted is not None:
                 report.fusions = mounted.report()
+                report.mounted = None
                 mounted.unmount()
         finally:
             inj.clear()

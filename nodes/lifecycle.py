@@ -1,19 +1,21 @@
 """The LoRA runtime around every sampler that samples a MODEL our nodes touched.
 
-Our nodes record an `Intent` on a MODEL clone and `register` this module's wrapper on
-it. The wrapper rides on ComfyUI's own ModelPatcher hook ``WrappersMP.SAMPLER_SAMPLE``
-(the bundled host's patcher has the same hook), so ComfyUI's KSampler,
-KSamplerAdvanced, SamplerCustom(Advanced), other packs' samplers and our LoRA Sampler
-all run the same lifecycle:
+Our nodes record an `Intent` on a MODEL clone and `register` this module's wrappers on
+it. They ride on ComfyUI's own ModelPatcher hooks (the bundled host's patcher has the same
+ones), so ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom(Advanced), other packs'
+samplers and our LoRA Sampler all run the same lifecycle:
 
-    ComfyUI: prepare_sampling -> load_models_gpu (its own weight patches applied,
-             object patches and injections in place) -> pre_run
-      our wrapper: plan -> apply (attach / merge / mount fusions) on the device and
-                   dtype ComfyUI chose -> the sampler's own loop -> restore
-    ComfyUI: cleanup
+    OUTER_SAMPLE (ours: plan, check the schedules against the sigmas; the window opens)
+      PREPARE_SAMPLING: ComfyUI's load_models_gpu (its own weight patches applied, object
+               patches and injections in place); then ours: apply (attach / merge / mount
+               fusions) on the device and dtype ComfyUI chose
+      pre_run, condition processing (model layers that run here, such as LTX-2's text
+               connectors, run with the adapters)
+      SAMPLER_SAMPLE (ours: schedules, the first-call check, the report) -> the sampler's loop
+    ComfyUI: cleanup; ours: restore when the window closes
 
-Why SAMPLER_SAMPLE and not OUTER_SAMPLE: OUTER_SAMPLE runs before ComfyUI loads the
-model, so a merge there would be undone or doubled by ComfyUI's own patching.
+A host path that samples without the OUTER_SAMPLE / PREPARE_SAMPLING hooks gets plan, apply
+and restore around SAMPLER_SAMPLE alone (the lifecycle before this window existed).
 
 Contract
 - `register(patcher)` is idempotent; clones inherit the wrapper (ComfyUI copies
@@ -30,6 +32,7 @@ Contract
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import time
@@ -50,10 +53,12 @@ _FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_first
 
 
 class _FirstCall:
-    """The ran check of one sampling: done on its first model call (ran_guard)."""
+    """The ran check of one sampling: done on its first model call (ran_guard); `since`: the
+    wrappers' counts when the adapters went on, if that was before the sampler started."""
 
-    def __init__(self, dm):
+    def __init__(self, dm, since: dict | None = None):
         self.dm = dm
+        self.since = since
         self.done = False
         self.findings: list[dict] = []
 _REPORT_ATTR = "_lora_runtime_report"
@@ -66,7 +71,8 @@ def is_registered(patcher) -> bool:
 def register(patcher) -> None:
     """Make every sampling of `patcher` (and of its later clones) run the LoRA runtime."""
     compile_watch.install()  # a torch.compile recompile-limit fallback is named on the report
-    host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper)
+    host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper,
+                      outer_sample_wrapper, prepare_sampling_wrapper)
 
 
 def last_report(patcher) -> dict | None:
@@ -99,22 +105,99 @@ def host_patched_layers(patcher) -> dict[str, str]:
     return out
 
 
+def _wrappers(dm) -> list:
+    return [w for m in dm.modules() for w in [attached_wrapper(m)] if w is not None]
+
+
+def _plan(patcher, want):
+    """The plan of `want` on `patcher`'s diffusion model (loads and matches the adapters; touches nothing)."""
+    dm = patcher.get_model_object("diffusion_model")
+    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
+    p.merge_refusals = host_patched_layers(patcher)
+    p.requant_seed = host.requant_seed
+    return p
+
+
+class _Window:
+    """One sampling of a MODEL with our intent, where the host gives the whole sampling a window:
+    planned (and its schedules checked) when OUTER_SAMPLE starts, applied in PREPARE_SAMPLING right
+    after the host loaded and patched the model (so condition processing that runs model layers,
+    such as LTX-2's text connectors, runs with the adapters), sampled in SAMPLER_SAMPLE, restored
+    when OUTER_SAMPLE exits, also on error or interrupt."""
+
+    def __init__(self, patcher, want, p):
+        self.patcher, self.want, self.plan = patcher, want, p
+        self.stack = contextlib.ExitStack()
+        self.dm = None
+        self.report = None      # the ApplyReport once applied
+        self.t0 = None
+        self.since = None       # ran_guard.snapshot right after the adapters went on
+
+    def apply(self) -> None:
+        self.t0 = time.perf_counter()
+        self.dm = self.patcher.get_model_object("diffusion_model")
+        self.report = self.stack.enter_context(applied(self.dm, self.plan, cache=decision_cache_for(self.dm)))
+        self.since = ran_guard.snapshot(_wrappers(self.dm))
+
+
+_WINDOW: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_window", default=None)
+
+
+def outer_sample_wrapper(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper (executor.class_obj: the guider; args = (noise, latent_image, sampler, sigmas,
+    ...)): the window of one sampling; every exit restores what PREPARE_SAMPLING applied."""
+    patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+    want = intent_mod.read(patcher) if patcher is not None else None
+    if want is None or not want.touches_model:
+        return executor(*args, **kwargs)
+    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+    p = _plan(patcher, want)
+    if sigmas is not None:
+        _schedules(p, sigmas, patcher)  # a malformed schedule fails here, before anything is applied
+    window = _Window(patcher, want, p)
+    token = _WINDOW.set(window)
+    try:
+        with window.stack:
+            return executor(*args, **kwargs)
+    finally:
+        _WINDOW.reset(token)
+
+
+def prepare_sampling_wrapper(executor, *args, **kwargs):
+    """PREPARE_SAMPLING wrapper (args = (model, noise_shape, conds, ...)): the host loads and patches
+    the model; then our adapters go on, before anything else of the sampling runs."""
+    out = executor(*args, **kwargs)
+    window = _WINDOW.get()
+    model = args[0] if args else kwargs.get("model")
+    if window is not None and window.report is None and model is window.patcher:
+        window.apply()
+    return out
+
+
 def sampler_sample_wrapper(executor, *args, **kwargs):
-    """SAMPLER_SAMPLE wrapper: args = (guider, sigmas, extra_args, callback, noise, latent, mask, disable_pbar)."""
+    """SAMPLER_SAMPLE wrapper: args = (guider, sigmas, extra_args, callback, noise, latent, mask, disable_pbar).
+    Inside a window the adapters are already on; else (a host path without one) they go on here."""
     guider, sigmas = args[0], args[1]
     patcher = guider.model_patcher
     want = intent_mod.read(patcher)
     if not want.touches_model:
         return executor(*args, **kwargs)
     steps = max(1, len(sigmas) - 1)
-    dm = patcher.get_model_object("diffusion_model")
-    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
-    p.merge_refusals = host_patched_layers(patcher)
-    p.requant_seed = host.requant_seed
+    window = _WINDOW.get()
+    if window is not None and window.patcher is patcher and window.report is not None:
+        p, dm, t0, since = window.plan, window.dm, window.t0, window.since
+        state = contextlib.nullcontext(window.report)
+    else:
+        p = _plan(patcher, want)
+        dm = patcher.get_model_object("diffusion_model")
+        t0 = since = None
+        state = None
     schedules = _schedules(p, sigmas, patcher)  # a malformed schedule fails here, before anything is applied
-    t0 = time.perf_counter()
-    first = _FirstCall(dm)
-    with applied(dm, p, cache=decision_cache_for(dm)) as applied_report, sampling_schedules(schedules):
+    if state is None:
+        t0 = time.perf_counter()
+        state = applied(dm, p, cache=decision_cache_for(dm))
+    first = _FirstCall(dm, since)
+    with state as applied_report, sampling_schedules(schedules):
         t_sample = time.perf_counter()
         graphs = compile_watch.graphs_compiled()
         token = _FIRST_CALL.set(first)
@@ -163,6 +246,7 @@ def apply_model_wrapper(executor, *args, **kwargs):
         if first is None or first.done:
             return executor(*args, **kwargs)
         first.done = True  # did every adapted layer run? (a host path may skip a layer's forward)
-        wrappers = [w for m in first.dm.modules() for w in [attached_wrapper(m)] if w is not None]
-        out, first.findings = ran_guard.first_call(lambda: executor(*args, **kwargs), wrappers, first.dm)
+        wrappers = _wrappers(first.dm)
+        out, first.findings = ran_guard.first_call(lambda: executor(*args, **kwargs), wrappers, first.dm,
+                                                   since=first.since)
         return out

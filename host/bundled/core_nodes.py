@@ -18,8 +18,8 @@ from . import folder_paths
 # the weight dtype: a per-run option (options.using, execute_prompt(unet_dtype=...)),
 # $LORA_RUNTIME_UNET_DTYPE only its default; re-exported here
 from .options import UNET_DTYPE_ENV, unet_dtype  # noqa: F401
-from .model_patcher import (APPLY_MODEL, SAMPLER_SAMPLE, BundledModel, BundledModelPatcher, ModelSamplingFlow,
-                            run_wrapped)
+from .model_patcher import (APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, BundledModel,
+                            BundledModelPatcher, ModelSamplingFlow, run_wrapped)
 from .png_metadata import save_png
 from .progress import ProgressBar, throw_exception_if_processing_interrupted
 
@@ -231,9 +231,23 @@ def sample_with_progress(model: BundledModelPatcher, *, seed, steps, cfg, sample
             transformer_options=dict(extra_args["model_options"].get("transformer_options") or {}))
 
     sigmas = _sampling().flow_sigmas(steps, scheduler, shift=shift, denoise=denoise)
+    guider = Guider(model)
+
+    def prepare(patcher, noise_shape, conds, model_options=None):
+        return None  # the bundled host keeps its model loaded on the CPU: nothing to load or patch
+
+    def outer(noise, latent_image, sampler, sigmas, denoise_mask, cb, disable_pbar, seed):
+        run_wrapped(prepare, None, model.get_all_wrappers(PREPARE_SAMPLING), model, None,
+                    {"positive": positive, "negative": negative}, model_options=model.model_options)
+        return run_wrapped(original, None, model.get_all_wrappers(SAMPLER_SAMPLE), guider, sigmas,
+                           {"model_options": model.model_options, "seed": seed}, cb, noise, latent_image,
+                           denoise_mask, disable_pbar)
+
     with torch.no_grad():
-        return run_wrapped(original, None, model.get_all_wrappers(SAMPLER_SAMPLE), Guider(model), sigmas,
-                           {"model_options": model.model_options, "seed": seed}, callback, None, latent, None, False)
+        # ComfyUI's order: OUTER_SAMPLE around the guider's whole sampling, PREPARE_SAMPLING where it
+        # loads the model, SAMPLER_SAMPLE around the sampler's loop
+        return run_wrapped(outer, guider, model.get_all_wrappers(OUTER_SAMPLE), None, latent, None, sigmas, None,
+                           callback, False, seed)
 
 
 class SaveImage:

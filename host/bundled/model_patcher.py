@@ -27,6 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SAMPLER_SAMPLE = "sampler_sample"  # comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+OUTER_SAMPLE = "outer_sample"      # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (the whole sampling)
+PREPARE_SAMPLING = "prepare_sampling"  # comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING (model load)
 APPLY_MODEL = "apply_model"        # comfy.patcher_extension.WrappersMP.APPLY_MODEL (once per model call)
 
 

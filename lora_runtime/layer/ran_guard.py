@@ -6,8 +6,9 @@ of a model can run outside the model call. An adapter that rides on that layer's
 then never run while the report says it is applied.
 
 Contract
-- `first_call(run, wrappers)` runs the first model call `run()` and returns (its output,
-  findings). A watched layer (one with a dynamic adapter or an output offset) whose forward did
+- `first_call(run, wrappers, model, since)` runs the first model call `run()` and returns (its
+  output, findings); with `since` (a `snapshot` taken when the adapters went on) a layer that ran
+  before the call, in condition processing, counts as run. A watched layer (one with a dynamic adapter or an output offset) whose forward did
   not run is handled per layer:
   - its host applies cast-time patches (``weight_function``): its adapters move into one
     (`LoraLinear.patch_at_cast`: W + delta, as the host's own LoRA) and the call runs again; a
@@ -61,11 +62,19 @@ def _ran(w, before) -> bool:
     return w.calls != calls or (w.cast_patched and w.cast_calls != casts)
 
 
-def first_call(run, wrappers, model=None):
+def snapshot(wrappers) -> dict:
+    """Each wrapper's forward and cast counts now: `first_call(since=...)` counts a layer that ran
+    from here on (before the first model call too, e.g. in condition processing) as run."""
+    return _counts(wrappers)
+
+
+def first_call(run, wrappers, model=None, since: dict | None = None):
     from ..compile_watch import graphs_compiled
     watched = [w for w in wrappers if w.watched]
     up_front = [w for w in watched if w.get_base_layer() in _BYPASSED and not w.patch_at_cast()]
     before = _counts(watched)   # (a bypass found in an earlier sampling is patched up front)
+    if since:
+        before.update((k, v) for k, v in since.items() if k in before)
     graphs = graphs_compiled()
     out = run()
     missed = [w for w in watched if not _ran(w, before)]
