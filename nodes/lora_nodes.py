@@ -236,9 +236,6 @@ class LoraSampler:
 
 class LoraRuntimeReport:
     """Shows the runtime report of the last sampling of a MODEL by any sampler."""
-    # the report on the node comes back on a fully cached re-run too (ComfyUI 0.33+ re-sends the
-    # cached UI of such nodes)
-    HAS_INTERMEDIATE_OUTPUT = True
 
     @classmethod
     def INPUT_TYPES(cls):
