@@ -513,22 +513,30 @@ def part_dit(ctx) -> dict:
 
 # ---------------------------------------------------------------- swap
 
-def part_swap(ctx) -> dict:
-    """bench_switch.py on the GPU (6 blocks, 3 rounds); its table and ratio lines."""
-    cmd = [sys.executable, str(HERE / "bench_switch.py")]
-    cmd += ["--smoke"] if ctx.dry else ["--device", "cuda", "--blocks", "6", "--rounds", "3"]
+def _run_bench(ctx, part: str, script: str, args: list[str]):
+    """Run bench/`script` (`--smoke` in a dry run, else `args`) within the part's budget; its log
+    goes to DIR/<part>.log. Returns the finished process, or a failed part's dict."""
+    cmd = [sys.executable, str(HERE / script)] + (["--smoke"] if ctx.dry else args)
     log("running " + " ".join(cmd[1:]))
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=max(1.0, ctx.budget.for_part("swap")))
+                              timeout=max(1.0, ctx.budget.for_part(part)))
     except subprocess.TimeoutExpired as exc:
         text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (ctx.out / "swap.log").write_text(text)
-        raise OutOfTime("bench_switch did not finish") from None
+        (ctx.out / f"{part}.log").write_text(text)
+        raise OutOfTime(f"{script} did not finish") from None
     text = proc.stdout + proc.stderr
-    (ctx.out / "swap.log").write_text(text)
+    (ctx.out / f"{part}.log").write_text(text)
     if proc.returncode != 0:
         return dict(status="failed", returncode=proc.returncode, error=text[-1500:])
+    return proc
+
+
+def part_swap(ctx) -> dict:
+    """bench_switch.py on the GPU (6 blocks, 3 rounds); its table and ratio lines."""
+    proc = _run_bench(ctx, "swap", "bench_switch.py", ["--device", "cuda", "--blocks", "6", "--rounds", "3"])
+    if isinstance(proc, dict):
+        return proc
     ratios = {}
     for ln in proc.stdout.splitlines():
         key, sep, val = ln.rpartition(": ")
@@ -542,20 +550,9 @@ def part_swap(ctx) -> dict:
 
 def part_quantized(ctx) -> dict:
     """bench_quantized.py on the GPU: quantized bases (fp8, nvfp4) alone vs our dynamic adapters."""
-    cmd = [sys.executable, str(HERE / "bench_quantized.py")]
-    cmd += ["--smoke"] if ctx.dry else ["--device", "cuda", "--tokens", "4096", "--repeats", "3"]
-    log("running " + " ".join(cmd[1:]))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=max(1.0, ctx.budget.for_part("quantized")))
-    except subprocess.TimeoutExpired as exc:
-        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (ctx.out / "quantized.log").write_text(text)
-        raise OutOfTime("bench_quantized did not finish") from None
-    text = proc.stdout + proc.stderr
-    (ctx.out / "quantized.log").write_text(text)
-    if proc.returncode != 0:
-        return dict(status="failed", returncode=proc.returncode, error=text[-1500:])
+    proc = _run_bench(ctx, "quantized", "bench_quantized.py", ["--device", "cuda", "--tokens", "4096", "--repeats", "3"])
+    if isinstance(proc, dict):
+        return proc
     lines = [ln for ln in proc.stdout.splitlines() if ": base " in ln]
     return dict(lines=lines, summary="; ".join(lines))
 

@@ -437,9 +437,7 @@ class LoraLinear(nn.Module):
             raise MergeRefusedError(f"{self.layer_name}: cannot merge ({bw.reason}); use merge mode 'dynamic'")
         own_storage(self.get_base_layer().weight)  # a GGUF file's read-only map is never written
         w = self.weight2d
-        for s in slots:  # a DoRA delta depends on the weight: take it from the weight before the write
-            if s.update.needs_weight:
-                s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
+        self._freeze_weight_deltas(slots, w)
         known, self._verified = self._verified, None
         if known is None or known[1] != _identity(w):
             known = None
@@ -467,9 +465,7 @@ class LoraLinear(nn.Module):
         base = self.get_base_layer()
         old = base.weight
         w = self.weight2d                     # fp32 dequantized copy
-        for s in slots:
-            if s.update.needs_weight:
-                s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
+        self._freeze_weight_deltas(slots, w)
         try:
             fold = self.merge_folds
             exact = w.add_(self._delta_rows(w, slice(None), slots, fold))
@@ -500,18 +496,18 @@ class LoraLinear(nn.Module):
         slots = [self.slots[n] for n in self._merged_names]
         if isinstance(self._restore, quantized_merge.QuantRestore):
             self.get_base_layer().weight = self._restore.param  # the very Parameter it held: same bytes
-            for s in slots:
-                s.merged = False
-                s.frozen_delta = None
-            self._restore = None
-            self._merged_names = ()
-            self._weight_changed()
-            self._verified = None
+            self._unmerged(slots)
             return
         w = self.weight2d
         fold = self._merged_folded
         record = self._restore
         fp = restore_weight(w, record, self._chunk_deltas(w, slots, fold), what=self.layer_name)
+        self._unmerged(slots)
+        if remember:
+            self._verified = (fp, _identity(w)) if record.full is None else (fp, _identity(w), record.full)
+
+    def _unmerged(self, slots: list[AdapterSlot]) -> None:
+        """The weight is back: the slots are dynamic again, no record, no verified fingerprint."""
         for s in slots:
             s.merged = False
             s.frozen_delta = None
@@ -519,8 +515,12 @@ class LoraLinear(nn.Module):
         self._merged_names = ()
         self._weight_changed()
         self._verified = None
-        if remember:
-            self._verified = (fp, _identity(w)) if record.full is None else (fp, _identity(w), record.full)
+
+    def _freeze_weight_deltas(self, slots: list[AdapterSlot], w: torch.Tensor) -> None:
+        """A DoRA delta depends on the weight: taken from the weight before the merge writes."""
+        for s in slots:
+            if s.update.needs_weight:
+                s.frozen_delta = times(s.update.delta(w.device, torch.float32, weight=w), s.strength, inplace=True)
 
     def forget_verified(self) -> None:
         self._verified = None
