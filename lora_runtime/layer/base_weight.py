@@ -57,6 +57,11 @@ def quant_layout(t) -> str | None:
     return layout if isinstance(layout, str) else getattr(layout, "__name__", str(layout))
 
 
+def stored_tensors(t) -> list[torch.Tensor]:
+    """A host-quantized tensor's stored data and scales (its inner tensors)."""
+    return [t._qdata] + [v for v in vars(getattr(t, "_params", object())).values() if isinstance(v, torch.Tensor)]
+
+
 def dequantized(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A host-quantized tensor's values as a plain tensor of `dtype`, through its own
     ``dequantize`` at that dtype (the grid point itself, no rounding to the stored dtype)."""
@@ -157,8 +162,7 @@ class BaseWeight:
 
 def _identity(t: torch.Tensor) -> tuple:
     if quant_layout(t) is not None:  # the stored bytes and scales live in the inner tensors
-        inner = [v for v in vars(t._params).values() if isinstance(v, torch.Tensor)] if hasattr(t, "_params") else []
-        return ("quantized", quant_layout(t), _identity(t._qdata), *(_identity(v) for v in inner))
+        return ("quantized", quant_layout(t), *(_identity(v) for v in stored_tensors(t)))
     try:
         version = t._version
     except RuntimeError:

@@ -357,20 +357,22 @@ def restore_weight(weight: torch.Tensor, record: RestoreRecord, delta_rows: Delt
 
 
 @torch.no_grad()
-def rounding_loss_sums(weight: torch.Tensor, delta_rows: DeltaRows, *, max_rows: int = 1024) -> tuple[float, float]:
+def rounding_loss_sums(weight: torch.Tensor, delta_rows: DeltaRows, *, max_rows: int = 1024,
+                       round_to=None) -> tuple[float, float]:
     """(||round(W + dW) - W - dW||^2, ||dW||^2) over an even sample of rows; writes nothing.
 
     The rounding is to the weight's own dtype from the fp32 merge value, exactly as
-    `merge_weight` does, so an fp32 weight reports 0.
+    `merge_weight` does, so an fp32 weight reports 0. `round_to` (fp32 rows -> the values a
+    merge leaves; a quantized layout's grid) replaces it and takes every row.
     """
     w = weight.detach()
     rows = w.shape[0]
-    if rows <= max_rows:
+    if rows <= max_rows or round_to is not None:
         sel: slice | torch.Tensor = slice(0, rows)
     else:
         sel = torch.linspace(0, rows - 1, max_rows, device=w.device).round().long().unique()
     wr = w[sel].float()
     d = delta_rows(sel)
     exact = wr + d
-    err = exact.to(w.dtype).float() - exact
+    err = (round_to(exact) if round_to is not None else exact.to(w.dtype).float()) - exact
     return float(err.double().pow(2).sum()), float(d.double().pow(2).sum())

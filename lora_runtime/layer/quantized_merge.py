@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base_weight import dequantized, quant_layout
+from .base_weight import dequantized, quant_layout, stored_tensors
 
 
 def can_requantize(w) -> str:
@@ -50,8 +50,7 @@ def grid_round(w: torch.Tensor, exact: torch.Tensor, seed: int = 0) -> torch.Ten
 
 def stored_bytes(w: torch.Tensor) -> int:
     """Bytes of a quantized tensor's stored data and scales."""
-    inner = [w._qdata] + [v for v in vars(getattr(w, "_params", object())).values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in inner)
+    return sum(t.numel() * t.element_size() for t in stored_tensors(w))
 
 
 @dataclass

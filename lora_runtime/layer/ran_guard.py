@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+from ..compile_watch import graphs_compiled
 from ..errors import LoraRuntimeError
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ class _Probe:
         return weight
 
 
-def _counts(ws):
-    return {id(w): (w.calls, w.cast_calls) for w in ws}
+def snapshot(wrappers) -> dict:
+    """Each wrapper's forward and cast counts now: `first_call(since=...)` counts a layer that ran
+    from here on (before the first model call too, e.g. in condition processing) as run."""
+    return {id(w): (w.calls, w.cast_calls) for w in wrappers}
 
 
 def _ran(w, before) -> bool:
@@ -62,17 +65,10 @@ def _ran(w, before) -> bool:
     return w.calls != calls or (w.cast_patched and w.cast_calls != casts)
 
 
-def snapshot(wrappers) -> dict:
-    """Each wrapper's forward and cast counts now: `first_call(since=...)` counts a layer that ran
-    from here on (before the first model call too, e.g. in condition processing) as run."""
-    return _counts(wrappers)
-
-
 def first_call(run, wrappers, model=None, since: dict | None = None):
-    from ..compile_watch import graphs_compiled
     watched = [w for w in wrappers if w.watched]
     up_front = [w for w in watched if w.get_base_layer() in _BYPASSED and not w.patch_at_cast()]
-    before = _counts(watched)   # (a bypass found in an earlier sampling is patched up front)
+    before = snapshot(watched)   # (a bypass found in an earlier sampling is patched up front)
     if since:
         before.update((k, v) for k, v in since.items() if k in before)
     graphs = graphs_compiled()
@@ -105,7 +101,7 @@ def first_call(run, wrappers, model=None, since: dict | None = None):
         else:
             findings.append({"layer": w.layer_name, "handled": NOT_RUN, "why": why})
     if patched or probes:
-        before = _counts(patched)
+        before = snapshot(patched)
         try:
             out = run()
         finally:

@@ -400,13 +400,8 @@ class LoraLinear(nn.Module):
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
         fold = self.merge_folds   # the scaling the merge would use
-        if self.quantized:        # the layout's grid: every row (its scale may span the tensor)
-            w = self.weight2d
-            d = self.delta_rows(slice(None), None, fold)
-            exact = w + d
-            err = self.grid_round(exact) - exact
-            return float(err.double().pow(2).sum()), float(d.double().pow(2).sum())
-        return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows)
+        return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows,
+                                  round_to=self.grid_round if self.quantized else None)
 
     @property
     def quantized(self) -> bool:
@@ -452,11 +447,7 @@ class LoraLinear(nn.Module):
             for s in slots:
                 s.frozen_delta = None
             raise
-        self._merged_folded = fold   # the restore recomputes the delta exactly as the merge did
-        for s in slots:
-            s.merged = True
-        self._merged_names = tuple(s.name for s in slots)
-        self._weight_changed()
+        self._merged(slots, fold)
 
     @torch.no_grad()
     def _merge_quantized(self, slots: list[AdapterSlot]) -> None:
@@ -479,6 +470,10 @@ class LoraLinear(nn.Module):
             raise
         base.weight = nn.Parameter(new, requires_grad=False)
         self._restore = quantized_merge.QuantRestore(old)
+        self._merged(slots, fold)
+
+    def _merged(self, slots: list[AdapterSlot], fold: bool) -> None:
+        """The weight holds `slots` now (`_restore` set); the restore recomputes the delta as the merge did."""
         self._merged_folded = fold
         for s in slots:
             s.merged = True
@@ -742,16 +737,12 @@ class LoraLinear(nn.Module):
         if d is None:
             if len(self._cast_cache) >= 8:
                 self._cast_cache.clear()
-            d = None
             for s in slots:
-                rs = f[s.name][0]
                 if bias:
-                    e = times(times(s.update.bias_delta(t.device, torch.float32).clone(), s.strength, inplace=True),
-                              rs, inplace=True)
+                    e = s.update.bias_delta(t.device, torch.float32).clone()  # cached: never scaled in place
                 else:
-                    w = self.weight2d if s.update.needs_weight else None
-                    e = times(times(s.update.delta(t.device, torch.float32, weight=w), s.strength, inplace=True),
-                              rs, inplace=True)
+                    e = s.update.delta(t.device, torch.float32, weight=self.weight2d if s.update.needs_weight else None)
+                e = times(times(e, s.strength, inplace=True), f[s.name][0], inplace=True)
                 d = e if d is None else d.add_(e)
             d = self._cast_cache[key] = d.reshape(t.shape)
         return (t.to(torch.float32) + d).to(t.dtype)
