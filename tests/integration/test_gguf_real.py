@@ -34,7 +34,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 from testkit.lora_assets import MODEL, PromptGraph, psnr, write_kohya_lora, write_variant_file
 
 STRENGTH = 0.8
@@ -142,16 +141,7 @@ class Prompt(PromptGraph):
 
 
 def run(comfy, prompt: Prompt):
-    record = comfy.run(prompt.p)
-    outputs = record["history"]["outputs"]
-    lat, reps = {}, {}
-    for nid, save in prompt.saves.items():
-        (item,) = outputs[save]["latents"]
-        raw = comfy.fetch_view(item["filename"], item.get("subfolder", ""), item.get("type", "output"))
-        lat[nid] = load_safetensors_bytes(raw)["latent_tensor"]
-    for nid, r in prompt.reports.items():
-        (reps[nid],) = outputs[r]["lora_report"]
-    return lat, reps
+    return prompt.run(comfy)
 
 
 def rel(a, b) -> float:

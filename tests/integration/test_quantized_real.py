@@ -61,7 +61,6 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 from testkit.lora_assets import PromptGraph, _wan_modules, psnr, write_kohya_lora
 from testkit.quantized_checkpoints import FORMATS, ideal_name, quantized_name, write_quantized_checkpoints
 
@@ -142,17 +141,7 @@ class Prompt(PromptGraph):
 
 
 def run(comfy, prompt: Prompt):
-    record = comfy.run(prompt.p)
-    outputs = record["history"]["outputs"]
-    lat, reps = {}, {}
-    for nid, save in prompt.saves.items():
-        assert nid in record["executing"] and nid not in record["cached"], f"sampler {nid} did not run"
-        (item,) = outputs[save]["latents"]
-        raw = comfy.fetch_view(item["filename"], item.get("subfolder", ""), item.get("type", "output"))
-        lat[nid] = load_safetensors_bytes(raw)["latent_tensor"]
-    for nid, r in prompt.reports.items():
-        (reps[nid],) = outputs[r]["lora_report"]
-    return lat, reps
+    return prompt.run(comfy, require_ran=True)
 
 
 def weight_state(comfy, fmt, *, must_share_model=True) -> dict:

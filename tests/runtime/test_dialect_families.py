@@ -5,8 +5,8 @@ approximator in diffusers names), on tiny skeletons with the real module names
 
 - the resolver: every stem lands on the hand-written module and rows (Z-Image's q/k/v = row thirds
   of ``attention.qkv``), labelled with its dialect; the whole model covered once, no overlap;
-- the loader and the wrapper, dynamic and merged: each native module receives exactly the delta
-  computed by hand (fp32, rel <= 1e-6), its output moves off the base, restore is bit for bit;
+- the loader and the wrapper, dynamic and merged (in `test_dialect_files_applied`, with the other
+  families): each native module receives exactly the delta computed by hand;
 - the host's key map (`files.host_keys`) on a hand-written ComfyUI-style map: its targets win over
   the tables (rows, swapped halves, parameters), entries the pack cannot honour are left to the
   tables with the reason, a host that fails leaves the tables in charge;
@@ -23,11 +23,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
+from comfyui_lora_runtime.lora_runtime import load_adapter, match_adapter
 from comfyui_lora_runtime.lora_runtime.errors import AdapterMatchError
 from comfyui_lora_runtime.lora_runtime.files import dialects as D
 from comfyui_lora_runtime.lora_runtime.files import host_keys
-from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
 from testkit import dialect_models as M
 
@@ -113,39 +112,6 @@ def test_z_image_qkv_thirds_are_the_models_dim_rows():
 
 
 # --- loaded and applied ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dialect", DIALECTS)
-def test_dialect_file_applies_its_exact_delta(tmp_path, dialect, no_host):
-    family, _, _, _, label = M.MORE_DIALECT_FILES[dialect]
-    model = M.ALL_MODELS[family]()
-    tensors, expected = M.make_dialect_file(dialect, model, rank=4, seed=1)
-    path = tmp_path / "a.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-    layers, cov = match_adapter(load_adapter(path), model)
-    assert cov.unmatched == {} and cov.keys_applied == cov.keys_total == len(tensors)
-    assert set(layers) == set(expected)
-    assert cov.format.startswith(label), cov.format
-    before = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in expected}
-    for mode in ("dynamic", "merge"):
-        with torch.no_grad(), applied(model, plan(model, [AdapterSpec(str(path))], mode, "lossless"),
-                                      fusion_backend=None):
-            for name, want in expected.items():
-                mod = model.get_submodule(name)
-                if mode == "merge":
-                    got = mod.weight.double() - before[name].double()
-                    tol = 4 * torch.finfo(torch.float32).eps * before[name].abs().max().item()
-                    assert (got - want).abs().max().item() <= tol + 1e-6 * want.abs().max().item(), name
-                else:
-                    got = attached_wrapper(mod).delta_rows(slice(None)).double()
-                    assert ((got - want).norm() / want.norm()).item() <= 1e-6, (dialect, name)
-                    x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(2))
-                    y = mod(x).double() - torch.nn.functional.linear(x, before[name], mod.bias).double()
-                    ref = x.double() @ want.T
-                    assert ((y - ref).norm() / ref.norm()).item() < 1e-5, (dialect, name)
-                    assert (y.norm() / ref.norm()).item() > 0.5   # the adapter is there at all
-        for name in expected:
-            assert torch.equal(model.get_submodule(name).weight, before[name])
 
 
 def test_sliced_z_image_file_differs_from_reading_to_q_as_the_whole_qkv():

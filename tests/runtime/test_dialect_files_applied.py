@@ -12,13 +12,15 @@ from safetensors.torch import save_file
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper
 
-from testkit.dialect_models import DIALECT_FILES, MODELS, make_dialect_file
+from testkit.dialect_models import ALL_MODELS, DIALECT_FILES, MODELS, MORE_DIALECT_FILES, make_dialect_file
+
+FILES = {**DIALECT_FILES, **MORE_DIALECT_FILES}   # the seven families, then Chroma, Z-Image, HunyuanVideo
 
 
-@pytest.mark.parametrize("dialect", list(DIALECT_FILES))
+@pytest.mark.parametrize("dialect", list(FILES))
 def test_dialect_file_applies_its_exact_delta(tmp_path, dialect):
-    family, _, _, _, label = DIALECT_FILES[dialect]
-    model = MODELS[family]()
+    family, _, _, _, label = FILES[dialect]
+    model = ALL_MODELS[family]()
     tensors, expected = make_dialect_file(dialect, model, rank=4, seed=1)
     path = tmp_path / "a.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))

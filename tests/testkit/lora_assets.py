@@ -46,6 +46,23 @@ class PromptGraph:
         self.node(f"s{nid}", "SaveLatent", samples=[nid, 0], filename_prefix=f"it_{self.folder}/{nid}_{self.tag}")
         self.saves[nid] = f"s{nid}"
 
+    def run(self, comfy, *, require_ran: bool = False) -> tuple[dict, dict]:
+        """Queue the prompt on `comfy`: ({sampler id: its saved latent}, {sampler id: its report});
+        `require_ran`: every sampler executed, none came from the cache."""
+        from safetensors.torch import load as load_safetensors_bytes
+        record = comfy.run(self.p)
+        outputs = record["history"]["outputs"]
+        lat, reps = {}, {}
+        for nid, save in self.saves.items():
+            if require_ran:
+                assert nid in record["executing"] and nid not in record["cached"], f"sampler {nid} did not run"
+            (item,) = outputs[save]["latents"]
+            raw = comfy.fetch_view(item["filename"], item.get("subfolder", ""), item.get("type", "output"))
+            lat[nid] = load_safetensors_bytes(raw)["latent_tensor"]
+        for nid, r in self.reports.items():
+            (reps[nid],) = outputs[r]["lora_report"]
+        return lat, reps
+
     def comfy_lora(self, nid, name):
         m = self.node(f"L{nid}", "LoraLoaderModelOnly", model=["1", 0], lora_name=name, strength_model=self.strength)
         self.ksampler(nid, m)
