@@ -159,8 +159,9 @@ class LoraLinear(nn.Module):
         self._last_plan = None                 # the plan of the last call (checked first)
         self._trace_plan = None                # call_plan.TracePlan: what a compiled call reads
         self._sibling = None                   # (shared_shrink.SiblingGroup, index) or None
-        self.calls = 0                         # eager forwards run (ran_guard: did this layer run?)
-        self.cast_calls = 0                    # weight patches the host applied at cast time
+        # [eager forwards run, weight patches the host applied at cast time] (ran_guard: did this
+        # layer run?); a list, so counting on the hot path skips nn.Module.__setattr__
+        self._counts = [0, 0]
         self._cast_patch = None                # (weight fn, bias fn or None) while patched at cast time
         self._cast_cache: dict = {}
 
@@ -534,7 +535,7 @@ class LoraLinear(nn.Module):
                 return y  # detached while another patch still chains through us
         if torch.compiler.is_compiling():  # traced: tensor factors, no context read (call_plan.py)
             return call_plan.traced_forward(self, x, y)
-        self.calls += 1
+        self._counts[0] += 1
         if self._cast_patch is not None:
             return y  # the host added the adapters when it cast the weight
         ctx = _CURRENT.get()
@@ -672,6 +673,16 @@ class LoraLinear(nn.Module):
         return bool(dyn or offsets)
 
     @property
+    def calls(self) -> int:
+        """Eager forwards this wrapper ran."""
+        return self._counts[0]
+
+    @property
+    def cast_calls(self) -> int:
+        """Times the host applied this wrapper's cast-time weight patch."""
+        return self._counts[1]
+
+    @property
     def cast_patched(self) -> bool:
         return self._cast_patch is not None
 
@@ -693,7 +704,7 @@ class LoraLinear(nn.Module):
             return f"an output offset (diff_b) rides on it and its {type(base).__name__} takes no bias patch"
 
         def weight_fn(weight):
-            self.cast_calls += 1
+            self._counts[1] += 1
             return self._cast_added(weight, bias=False)
 
         def bias_fn(bias):
