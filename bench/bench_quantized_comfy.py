@@ -8,8 +8,8 @@ LoRA Merge Mode dynamic, 1 and 4 adapters; auto, 1), side by side in one process
 
 What runs (the launcher needs torch + safetensors only; ComfyUI runs in its own python):
 
-1. The launcher writes a random-weight Wan 2.1 T2V model in ComfyUI's key layout (the reference tiny
-   Wan's recipe, ``shared/reference/README.md``, at Wan-1.3B dims: dim 1536, ffn 8960, 12 heads,
+1. The launcher writes a random-weight Wan 2.1 T2V model in ComfyUI's key layout
+   (``testkit.random_wan``: the reference tiny Wan's recipe at Wan-1.3B dims: dim 1536, ffn 8960, 12 heads,
    ``--blocks`` blocks, bf16) and four rank-32 LoRAs on every block linear (``diffusion_model.<layer>
    .lora_down / lora_up / alpha`` keys, ``testkit.lora_assets.write_kohya_lora``, alpha = rank).
 2. ComfyUI's own python quantizes every block linear (``testkit.quantized_checkpoints``: ComfyUI's
@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -67,7 +66,7 @@ ARM_TEXT = {
     "dyn4": "ours, dynamic x4",
     "auto1": "ours, auto x1",
 }
-TEXT_DIM, FREQ_DIM, IN_CH = 4096, 256, 16
+TEXT_DIM = 4096  # the Wan 2.1 text context width (testkit.random_wan)
 SEED = 42
 
 
@@ -78,61 +77,6 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------
 # launcher side: model, LoRAs, quantized files, workers, table
 # ---------------------------------------------------------------------------
-def wan_shapes(dim: int, ffn: int, blocks: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a ComfyUI Wan 2.1 T2V diffusion model (no prefix; in/out 16 channels, patch
-    1x2x2, text_dim 4096, freq_dim 256): the reference tiny Wan's key set at other dims."""
-    s = {"patch_embedding.weight": (dim, IN_CH, 1, 2, 2), "patch_embedding.bias": (dim,),
-         "text_embedding.0.weight": (dim, TEXT_DIM), "text_embedding.0.bias": (dim,),
-         "text_embedding.2.weight": (dim, dim), "text_embedding.2.bias": (dim,),
-         "time_embedding.0.weight": (dim, FREQ_DIM), "time_embedding.0.bias": (dim,),
-         "time_embedding.2.weight": (dim, dim), "time_embedding.2.bias": (dim,),
-         "time_projection.1.weight": (6 * dim, dim), "time_projection.1.bias": (6 * dim,),
-         "head.head.weight": (IN_CH * 4, dim), "head.head.bias": (IN_CH * 4,), "head.modulation": (1, 2, dim)}
-    for b in range(blocks):
-        p = f"blocks.{b}."
-        for attn in ("self_attn", "cross_attn"):
-            for n in "qkvo":
-                s[f"{p}{attn}.{n}.weight"], s[f"{p}{attn}.{n}.bias"] = (dim, dim), (dim,)
-            s[f"{p}{attn}.norm_q.weight"] = s[f"{p}{attn}.norm_k.weight"] = (dim,)
-        s[f"{p}ffn.0.weight"], s[f"{p}ffn.0.bias"] = (ffn, dim), (ffn,)
-        s[f"{p}ffn.2.weight"], s[f"{p}ffn.2.bias"] = (dim, ffn), (dim,)
-        s[f"{p}norm3.weight"], s[f"{p}norm3.bias"] = (dim,), (dim,)
-        s[f"{p}modulation"] = (1, 6, dim)
-    return s
-
-
-def block_linears(dim: int, ffn: int, blocks: int) -> list[tuple[str, int, int]]:
-    """(layer, in, out) of every block linear: self/cross-attention q k v o, ffn.0, ffn.2."""
-    out = []
-    for b in range(blocks):
-        for attn in ("self_attn", "cross_attn"):
-            out += [(f"blocks.{b}.{attn}.{n}", dim, dim) for n in "qkvo"]
-        out += [(f"blocks.{b}.ffn.0", dim, ffn), (f"blocks.{b}.ffn.2", ffn, dim)]
-    return out
-
-
-def write_model(path: Path, dim: int, ffn: int, blocks: int) -> None:
-    """The reference recipe (shared/reference/README.md) at these dims: keys sorted, one generator
-    (seed 20251011); norms 1 + 0.1 r, biases 0.1 r, modulations r / sqrt(dim), other weights
-    r / sqrt(fan_in); bf16."""
-    import torch
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(20251011)
-    sd = {}
-    for k, shape in sorted(wan_shapes(dim, ffn, blocks).items()):
-        r = torch.randn(shape, generator=g)
-        if k.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
-            v = 1 + 0.1 * r
-        elif k.endswith(".bias"):
-            v = 0.1 * r
-        elif k.endswith("modulation"):
-            v = r / math.sqrt(dim)
-        else:
-            v = r / math.sqrt(math.prod(shape[1:]))
-        sd[k] = v.to(torch.bfloat16)
-    save_file(sd, str(path))
-
-
 def comfyui_python(comfy_dir: Path, given: str | None) -> str:
     if given:
         return given
@@ -185,6 +129,7 @@ def launcher(args) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from testkit.lora_assets import write_kohya_lora
     from testkit.quantized_checkpoints import quantized_name, write_quantized_checkpoints
+    from testkit.random_wan import block_linears, write_random_wan
     if args.smoke:
         args.dims, args.blocks, args.latent, args.rank, args.rounds = "128,512", 2, "64x64", 4, 1
         args.text_tokens = 16
@@ -209,7 +154,7 @@ def launcher(args) -> None:
             log(f"reusing the model, LoRAs and quantized files in {tmp}")
         else:
             src = tmp / "wan_src.safetensors"
-            write_model(src, dim, ffn, args.blocks)
+            write_random_wan(src, dim, ffn, args.blocks)
             for i in range(4):
                 write_kohya_lora(loras / f"bench_r{args.rank}_{i}.safetensors", seed=7000 + i, rank=args.rank,
                                  alpha=float(args.rank), up_scale=args.up_scale, modules=linears)
