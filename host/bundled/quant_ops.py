@@ -73,12 +73,17 @@ LAYOUT_FORMATS: dict[str, str] = {
     INT8_LAYOUT: "int8_tensorwise",
     "TensorCoreMXFP8Layout": "mxfp8",
     "TensorCoreNVFP4Layout": "nvfp4",
-    "TensorCoreConvRotW4A4Layout": "convrot_w4a4",   # in memory; their files are not round-trip tested
+    "TensorCoreConvRotW4A4Layout": "convrot_w4a4",
     "AsymW4A8Int8Layout": "asym_w4a8_int8",
 }
 
 # per-layer keys a quantized layer may carry besides its bias
-_QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", COMFY_QUANT, "input_scale", "pre_quant_scale")
+_QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "weight_s_rel", "weight_s_channel", "weight_codebook",
+                   COMFY_QUANT, "input_scale", "pre_quant_scale")
+# formats whose stored weight packs two 4-bit values per byte along the input columns
+_PACKED_COLUMNS = ("nvfp4", "convrot_w4a4", "asym_w4a8_int8")
+# comfy_quant entries that are the weight's layout params (read into them, written from them)
+_PARAM_CONF = ("convrot", "convrot_groupsize", "group_size", "linear_dtype", "params")
 _EXTRA_PARAMS = ("input_scale", "pre_quant_scale")
 
 
@@ -355,7 +360,7 @@ class QuantLinear(nn.Module):
                                         orig_shape=(self.out_features, self.in_features), layer=layer)
             self._set_weight(qt)
             self.quant_format = conf["format"]
-            self.quant_conf = {k: v for k, v in conf.items() if k not in ("format", "convrot", "convrot_groupsize")}
+            self.quant_conf = {k: v for k, v in conf.items() if k != "format" and k not in _PARAM_CONF}
             for name in _EXTRA_PARAMS:
                 v = take(name)
                 if v is not None:
@@ -417,9 +422,17 @@ def quantized_weight_entries(prefix: str, qt, quant_format: str | None = None, e
         raise ValueError(f"{prefix.rstrip('.')}: layout {qt._layout_cls!r} has no ComfyUI checkpoint format")
     entries = {k: v.detach() for k, v in qt.state_dict(prefix + "weight").items()}
     conf = {"format": fmt, **(extra_conf or {})}
-    if fmt == "int8_tensorwise" and getattr(qt._params, "convrot", False):
+    params = qt._params
+    if fmt == "int8_tensorwise" and getattr(params, "convrot", False):
         conf["convrot"] = True
-        conf["convrot_groupsize"] = int(getattr(qt._params, "convrot_groupsize", 256))
+        conf["convrot_groupsize"] = int(getattr(params, "convrot_groupsize", 256))
+    elif fmt == "convrot_w4a4":
+        conf["convrot_groupsize"] = int(params.convrot_groupsize)
+        if params.linear_dtype != "int4":
+            conf["linear_dtype"] = params.linear_dtype
+    elif fmt == "asym_w4a8_int8":
+        conf["group_size"] = int(params.group_size)
+        conf["convrot_groupsize"] = int(params.convrot_groupsize)
     entries[prefix + COMFY_QUANT] = _conf_tensor(conf)
     return entries
 
@@ -443,18 +456,31 @@ def build_quantized_weight(conf: dict, weight: torch.Tensor, take: Callable[[str
             raise ValueError(f"{layer}: {fmt} layer without its {name}")
         return v.view(view_as) if view_as is not None else v
 
+    params_conf = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+
+    def option(name, default):   # a layer option: top level first, then under "params"
+        return conf.get(name, params_conf.get(name, default))
+
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         scales = {"scale": need("weight_scale")}
     elif fmt == "mxfp8":
         scales = {"scale": need("weight_scale", torch.float8_e8m0fnu)}
     elif fmt == "nvfp4":
         scales = {"scale": need("weight_scale_2"), "block_scale": need("weight_scale", torch.float8_e4m3fn)}
+    elif fmt == "convrot_w4a4":   # per-row fp32 scales of the rotated int4 weight, in groups of 64 columns
+        scales = {"scale": need("weight_scale"), "convrot_groupsize": int(option("convrot_groupsize", 256)),
+                  "quant_group_size": 64, "linear_dtype": option("linear_dtype", "int4")}
+    elif fmt == "asym_w4a8_int8":   # e4m3 group scales (stored as uint8 by some writers), fp32 row scales
+        s_rel = need("weight_s_rel")
+        scales = {"scale": s_rel.view(torch.float8_e4m3fn) if s_rel.dtype == torch.uint8 else s_rel,
+                  "s_channel": take("weight_s_channel"), "codebook": take("weight_codebook"),
+                  "group_size": int(option("group_size", 16)),
+                  "convrot_groupsize": int(option("convrot_groupsize", 256))}
     else:  # int8_tensorwise
         scales = {"scale": need("weight_scale")}
-        params_conf = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-        if conf.get("convrot", params_conf.get("convrot", False)):
+        if option("convrot", False):
             scales["convrot"] = True
-            scales["convrot_groupsize"] = int(conf.get("convrot_groupsize", params_conf.get("convrot_groupsize", 256)))
+            scales["convrot_groupsize"] = int(option("convrot_groupsize", 256))
     params = get_layout_class(layout).Params(**scales, orig_dtype=orig_dtype, orig_shape=tuple(orig_shape))
     return QuantizedTensor(weight.to(dtype=storage), layout, params)
 
@@ -614,7 +640,7 @@ def convert_old_quants(sd: dict[str, torch.Tensor], metadata: dict | None = None
 def shape_view(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`sd` with each quantized layer's ``weight`` replaced by an empty meta tensor of its
     logical shape, for inferring a model config: rows from the bias when there is one (the
-    stored rows may be padded), columns from the storage (x2 for nvfp4's packed pairs;
+    stored rows may be padded), columns from the storage (x2 for the packed 4-bit pairs of nvfp4, convrot_w4a4 and asym_w4a8_int8;
     mxfp8 / nvfp4 columns may include padding to 32 / 16)."""
     out = dict(sd)
     for k, v in sd.items():
@@ -625,7 +651,7 @@ def shape_view(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if w is None or w.dim() != 2:
             continue
         rows, cols = int(w.shape[0]), int(w.shape[1])
-        if _conf_from_tensor(v).get("format") == "nvfp4":
+        if _conf_from_tensor(v).get("format") in _PACKED_COLUMNS:
             cols *= 2
         b = sd.get(layer + ".bias")
         if b is not None:

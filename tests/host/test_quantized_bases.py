@@ -12,6 +12,7 @@ folding GELU into an int8 down-projection (ffn.2's forward bypassed), on the tin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
 from comfyui_lora_runtime.host.bundled.quant_ops import (QuantLinear, dequantized_model, linear_input_act,  # noqa: E402
                                                          quantize_model, quantized_layers, save_quantized)
 from comfyui_lora_runtime.host.bundled.wan21 import WanFeedForward, load_wan_checkpoint  # noqa: E402
+from testkit.random_wan import write_random_wan  # noqa: E402
 
 LAYOUTS = ["TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout"]
 # layout -> (checkpoint format, the layout ComfyUI's loader gives it, storage dtype, scale keys)
@@ -315,6 +317,74 @@ def test_save_load_round_trip(quantized, call, tmp_path, layout):
         assert not m.weight.requires_grad
     assert torch.equal(call(loaded), call(q))
     # the loaded model's state_dict is the file again
+    resaved = save_quantized(tmp_path / "again.safetensors", loaded)
+    with safe_open(path, "pt") as a, safe_open(resaved, "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        assert all(torch.equal(_bits(a.get_tensor(k)), _bits(b.get_tensor(k))) for k in a.keys())
+
+
+# the 4-bit layouts that rotate groups of 256 input columns: their model is a d256 random Wan.
+# layout -> (checkpoint format, storage dtype, scale keys, what comfy_quant carries besides the format:
+# what ComfyUI 0.33's own state_dict writes for the layout)
+WIDE = {
+    "TensorCoreConvRotW4A4Layout": ("convrot_w4a4", torch.int8, {"weight_scale"}, {"convrot_groupsize": 256}),
+    "AsymW4A8Int8Layout": ("asym_w4a8_int8", torch.int8, {"weight_s_rel", "weight_s_channel", "weight_codebook"},
+                           {"group_size": 16, "convrot_groupsize": 256}),
+}
+
+
+@pytest.fixture(scope="module")
+def wide_wan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide-wan") / "wan_d256.safetensors"
+    write_random_wan(path, 256, 1024, 2)
+    return load_wan_checkpoint(path)
+
+
+def _stored(qt) -> tuple[dict, dict]:
+    """A QuantizedTensor's stored data and every tensor field of its params (dtype, raw bytes), and
+    its other params."""
+    tensors, other = {"qdata": qt._qdata}, {}
+    for f in dataclasses.fields(qt._params):
+        v = getattr(qt._params, f.name)
+        (tensors if isinstance(v, torch.Tensor) else other)[f.name] = v
+    return {k: (v.dtype, _bits(v)) for k, v in tensors.items()}, other
+
+
+def _same_stored(a, b) -> bool:
+    (ta, oa), (tb, ob) = _stored(a), _stored(b)
+    return oa == ob and ta.keys() == tb.keys() and all(
+        ta[k][0] == tb[k][0] and torch.equal(ta[k][1], tb[k][1]) for k in ta)
+
+
+@pytest.mark.parametrize("layout", WIDE)
+def test_save_load_round_trip_4bit_rotated_layouts(wide_wan, call, tmp_path, layout):
+    """A convrot_w4a4 / asym_w4a8_int8 file in ComfyUI 0.33's keys (the layout's own state_dict
+    names; comfy_quant with the group sizes) loads back as the same quantized weights (data, every
+    scale, the group sizes), and the loaded model computes bit for bit what the saved one did."""
+    fmt, storage, scale_keys, conf_extra = WIDE[layout]
+    q = quantize_model(wide_wan, layout)
+    assert len(quantized_layers(q)) == N_LINEARS
+    path = save_quantized(tmp_path / "q.safetensors", q)
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        for name in quantized_layers(q):
+            assert {k[len(name) + 1:] for k in keys if k.rsplit(".", 1)[0] == name} == \
+                {"weight", "bias", "comfy_quant"} | scale_keys
+            assert f.get_tensor(f"{name}.weight").dtype == storage
+            assert json.loads(f.get_tensor(f"{name}.comfy_quant").numpy().tobytes()) == {"format": fmt, **conf_extra}
+        if fmt == "asym_w4a8_int8":
+            assert f.get_tensor("blocks.0.ffn.2.weight_s_rel").dtype == torch.float8_e4m3fn
+    loaded = load_wan_checkpoint(path)
+    assert loaded.config == wide_wan.config   # the config read through the packed int4 columns
+    lq, qq = quantized_layers(loaded), quantized_layers(q)
+    assert lq.keys() == qq.keys()
+    for name, m in lq.items():
+        assert m.layout_type == m.weight._layout_cls == layout and m.quant_format == fmt
+        assert _same_stored(m.weight, qq[name].weight), name
+        assert torch.equal(m.bias, qq[name].bias) and not m.weight.requires_grad
+    assert torch.equal(call(loaded), call(q))
+    # wrong answer: the plain model (the 4-bit grid moves the output)
+    assert not torch.equal(call(loaded), call(wide_wan))
     resaved = save_quantized(tmp_path / "again.safetensors", loaded)
     with safe_open(path, "pt") as a, safe_open(resaved, "pt") as b:
         assert set(a.keys()) == set(b.keys())
