@@ -26,9 +26,13 @@ from comfyui_lora_runtime.lora_runtime.layer.schedule import Branch  # noqa: E40
 from testkit.fixtures import TinyWanLike, lora_pair, write_kohya  # noqa: E402
 
 # (layout, its options, model width): every layout ComfyUI 0.33 loads that quantizes on a CPU; the
-# 4-bit convrot layouts rotate groups of 256 input columns, so their model is 256 wide
+# 4-bit convrot layouts rotate groups of 256 input columns, so their model is 256 wide. "scaled_fp8":
+# a legacy scaled-fp8 state dict (per-layer scale_weight, a scaled_fp8 marker) loaded as ComfyUI 0.33
+# loads it, into its float8_e4m3fn layout (ComfyUI's "TensorCoreFP8E4M3Layout" class)
+LEGACY = "TensorCoreFP8E4M3Layout"
 LAYOUTS = [
     pytest.param(("TensorCoreFP8Layout", {}, 64), id="float8_e4m3fn"),
+    pytest.param((LEGACY, {"legacy": True}, 64), id="scaled_fp8"),
     pytest.param(("TensorCoreFP8Layout", {"dtype": torch.float8_e5m2}, 64), id="float8_e5m2"),
     pytest.param(("TensorWiseINT8Layout", {}, 64), id="int8_tensorwise"),
     pytest.param(("TensorCoreMXFP8Layout", {}, 64), id="mxfp8"),
@@ -45,7 +49,26 @@ def _quantized(layout):
     if width not in _PLAIN:
         _PLAIN[width] = TinyWanLike(d=width, f=2 * width, n=2, dtype=torch.float32, seed=3)
     plain = _PLAIN[width]
+    if kwargs.get("legacy"):
+        return plain, _legacy_scaled_fp8(plain), width
     return plain, quant_ops.quantize_model(plain, name, min_numel=1, **kwargs), width
+
+
+def _legacy_scaled_fp8(plain):
+    """`plain` with its Linears stored as a legacy scaled-fp8 file stores them (fp8 weight, fp32
+    ``scale_weight``, an empty ``scaled_fp8`` marker) and loaded through ComfyUI 0.33's conversion
+    (`convert_old_quants`: float8_e4m3fn comfy_quant layers)."""
+    fp8 = quant_ops.quantize_model(plain, LEGACY, min_numel=1, scale="recalculate")
+    sd = {}
+    for k, v in fp8.state_dict().items():
+        if k.endswith(".comfy_quant"):
+            continue
+        sd[k[: -len("weight_scale")] + "scale_weight" if k.endswith(".weight_scale") else k] = v
+    sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    q = quant_ops.load_quantized_state_dict(copy.deepcopy(plain), quant_ops.convert_old_quants(sd))
+    layers = quant_ops.quantized_layers(q)
+    assert layers and all(m.quant_format == "float8_e4m3fn" and m.layout_type == LEGACY for m in layers.values())
+    return q
 
 
 def _stored(model):
