@@ -1,6 +1,6 @@
 """Quantized Linear layers for the bundled host: the shape ComfyUI 0.33 gives a model loaded
-from a quantized checkpoint (fp8 / int8 / mxfp8 / nvfp4 layers, comfy-kitchen ``QuantizedTensor``
-weights), so the pack's tests can run on such bases without ComfyUI installed.
+from a quantized checkpoint (fp8 / int8 / mxfp8 / nvfp4 / convrot_w4a4 / asym_w4a8_int8 layers,
+comfy-kitchen ``QuantizedTensor`` weights), so the pack's tests can run on such bases without ComfyUI installed.
 
 What ComfyUI 0.33 does, and what this module reproduces (in its own code):
 
@@ -24,16 +24,20 @@ What ComfyUI 0.33 does, and what this module reproduces (in its own code):
 - Checkpoint keys of a quantized layer ``P``: ``P.weight`` (the quantized data in the format's
   storage dtype), ``P.weight_scale`` (fp8 / int8: the float32 per-tensor scale; mxfp8: the
   float8_e8m0fnu block scales; nvfp4: the float8_e4m3fn block scales), ``P.weight_scale_2``
-  (nvfp4: the float32 per-tensor scale), ``P.comfy_quant`` (a uint8 tensor holding the bytes
-  of a JSON object such as ``{"format": "float8_e4m3fn"}``), optional ``P.input_scale`` /
+  (nvfp4: the float32 per-tensor scale); convrot_w4a4: ``P.weight_scale`` (float32 per row of
+  the rotated int4 weight); asym_w4a8_int8: ``P.weight_s_rel`` (float8_e4m3fn per group of
+  columns), ``P.weight_s_channel`` (float32 per row), ``P.weight_codebook`` (16 levels);
+  ``P.comfy_quant`` (a uint8 tensor holding the bytes of a JSON object such as
+  ``{"format": "float8_e4m3fn"}``, with ``convrot_groupsize`` / ``group_size`` /
+  ``linear_dtype`` for the 4-bit rotated formats), optional ``P.input_scale`` /
   ``P.pre_quant_scale``, and ``P.bias`` (plain). `FORMATS` lists the formats and the layout
   each loads as. Older files carry a ``scaled_fp8`` marker key and per-layer ``scale_weight``
   / ``scale_input`` instead (see `convert_old_quants`), or the per-layer JSON in the file's
   ``_quantization_metadata`` metadata entry.
 
 Where the bundled host differs from ComfyUI on purpose: `QuantLinear.forward` computes weight-only
-(``F.linear(x, dequantized weight, bias)``); ComfyUI's fp8 / mxfp8 / nvfp4 layers also quantize
-the activations. comfy-kitchen is optional: this module imports without it, and everything that
+(``F.linear(x, dequantized weight, bias)``); ComfyUI's fp8 / mxfp8 / nvfp4 layers and the
+convrot_w4a4 (int4) / asym_w4a8_int8 (int8) kernels also quantize the activations. comfy-kitchen is optional: this module imports without it, and everything that
 needs it imports it on first use (`require_comfy_kitchen`).
 """
 from __future__ import annotations
@@ -640,8 +644,8 @@ def convert_old_quants(sd: dict[str, torch.Tensor], metadata: dict | None = None
 def shape_view(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`sd` with each quantized layer's ``weight`` replaced by an empty meta tensor of its
     logical shape, for inferring a model config: rows from the bias when there is one (the
-    stored rows may be padded), columns from the storage (x2 for the packed 4-bit pairs of nvfp4, convrot_w4a4 and asym_w4a8_int8;
-    mxfp8 / nvfp4 columns may include padding to 32 / 16)."""
+    stored rows may be padded), columns from the storage (x2 for the packed 4-bit pairs of nvfp4,
+    convrot_w4a4 and asym_w4a8_int8; mxfp8 / nvfp4 columns may include padding to 32 / 16)."""
     out = dict(sd)
     for k, v in sd.items():
         if not k.endswith("." + COMFY_QUANT):
