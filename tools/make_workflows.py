@@ -61,7 +61,7 @@ SOCKET_TYPES = {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK
 def node_classes() -> dict:
     sys.path.insert(0, str(ROOT.parent))
     from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
     return {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
 

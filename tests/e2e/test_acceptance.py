@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled import folder_paths
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNET_DTYPE_ENV
-from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+from comfyui_lora_runtime.standalone.host import folder_paths
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNET_DTYPE_ENV
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
-from comfyui_lora_runtime.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips
 

@@ -10,7 +10,7 @@ lose >= 80 % of its update) and at 4 steps, CFG 1 gives glyphs the judge reads (
 that differ from the base's 4-step ones (mean |diff| >= 4 levels, measured 5.4; issue 10
 asked for 10, but the base's own 20-step CFG-5 images are only 6.8 levels from its 4-step
 ones, so no adapter heading for them can give 10 here, and a whole glyph against a black
-image is 8.4 levels; see models/MODEL_CARD.md) and are closer to the base's 20-step CFG-5
+image is 8.4 levels; see standalone/models/MODEL_CARD.md) and are closer to the base's 20-step CFG-5
 ones; where the glyph is, they differ by >= 20 levels (measured 24.4); a forced merge gives
 back images close to the base's 4-step ones.
 """
@@ -25,14 +25,14 @@ import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
-from comfyui_lora_runtime.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips
 
-from comfyui_lora_runtime import demo  # noqa: E402
-from comfyui_lora_runtime import embedded as E  # noqa: E402
-from comfyui_lora_runtime.embedded import data as D  # noqa: E402
-from comfyui_lora_runtime.embedded.judge import GlyphJudge  # noqa: E402
+from comfyui_lora_runtime.standalone import demo  # noqa: E402
+from comfyui_lora_runtime.standalone import embedded as E  # noqa: E402
+from comfyui_lora_runtime.standalone.embedded import data as D  # noqa: E402
+from comfyui_lora_runtime.standalone.embedded.judge import GlyphJudge  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ import torch
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 
 ROOT = Path(__file__).resolve().parents[2]
-from comfyui_lora_runtime.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips
 
-from comfyui_lora_runtime.embedded import BASE_MODEL, DISTILLED_LORA, STYLE_LORA, TEXT_ENCODER  # noqa: E402
-from comfyui_lora_runtime.embedded.text_encoder import TinyTextEncoder  # noqa: E402
-from comfyui_lora_runtime.host.bundled.sampling import ksampler  # noqa: E402
-from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint  # noqa: E402
+from comfyui_lora_runtime.standalone.embedded import BASE_MODEL, DISTILLED_LORA, STYLE_LORA, TEXT_ENCODER  # noqa: E402
+from comfyui_lora_runtime.standalone.embedded.text_encoder import TinyTextEncoder  # noqa: E402
+from comfyui_lora_runtime.standalone.host.sampling import ksampler  # noqa: E402
+from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint  # noqa: E402
 
 PROMPTS = [f"{c} {d}" for c in ("red", "green", "blue", "white") for d in (0, 3, 7)]
 

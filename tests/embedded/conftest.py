@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_lora_runtime import embedded as E
-from comfyui_lora_runtime.embedded import data as D
+from comfyui_lora_runtime.standalone import embedded as E
+from comfyui_lora_runtime.standalone.embedded import data as D
 
 N_SAMPLES = 80  # every (digit, colour) pair twice
 SAMPLE_SEED = 4321
@@ -33,25 +33,25 @@ def _threads():
 
 @pytest.fixture(scope="session")
 def codec():
-    from comfyui_lora_runtime.embedded.codec import TinyCodec
+    from comfyui_lora_runtime.standalone.embedded.codec import TinyCodec
     return TinyCodec.load(_need(E.CODEC))
 
 
 @pytest.fixture(scope="session")
 def text_encoder():
-    from comfyui_lora_runtime.embedded.text_encoder import TinyTextEncoder
+    from comfyui_lora_runtime.standalone.embedded.text_encoder import TinyTextEncoder
     return TinyTextEncoder.load(_need(E.TEXT_ENCODER))
 
 
 @pytest.fixture(scope="session")
 def judge():
-    from comfyui_lora_runtime.embedded.judge import GlyphJudge
+    from comfyui_lora_runtime.standalone.embedded.judge import GlyphJudge
     return GlyphJudge.load(_need(E.JUDGE))
 
 
 @pytest.fixture(scope="session")
 def base_model():
-    from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
+    from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint
     return load_wan_checkpoint(_need(E.BASE_MODEL))  # bf16 file -> fp32, like ComfyUI on the CPU
 
 
@@ -64,7 +64,7 @@ def prompts():
 
 @pytest.fixture(scope="session")
 def sample(base_model, text_encoder, codec):
-    from comfyui_lora_runtime.embedded.pipeline import generate
+    from comfyui_lora_runtime.standalone.embedded.pipeline import generate
 
     def _sample(prompt_list, **kw):
         kw.setdefault("seed", SAMPLE_SEED)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from comfyui_lora_runtime import embedded as E
-from comfyui_lora_runtime.embedded.pipeline import mean_abs_diff_255
+from comfyui_lora_runtime.standalone import embedded as E
+from comfyui_lora_runtime.standalone.embedded.pipeline import mean_abs_diff_255
 from comfyui_lora_runtime.lora_runtime import (AdapterSpec, LoraInjector, applied, load_adapter, match_adapter,
                                                 measure_share_lost, plan)
 
@@ -21,7 +21,7 @@ DISTILLED_TARGETED = {f"blocks.{b}.cross_attn.{t}" for b in range(4) for t in ("
 
 @pytest.fixture(scope="module")
 def bf16_base():
-    from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
+    from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint
     return load_wan_checkpoint(E.BASE_MODEL, dtype=torch.bfloat16)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from comfyui_lora_runtime import embedded as E
-from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
+from comfyui_lora_runtime.standalone import embedded as E
+from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
 
 
 def test_base_file_is_a_wan21_t2v_checkpoint():

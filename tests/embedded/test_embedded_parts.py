@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_lora_runtime import embedded as E
-from comfyui_lora_runtime.embedded import data as D
-from comfyui_lora_runtime.embedded.codec import psnr
-from comfyui_lora_runtime.host.bundled import latent_format
+from comfyui_lora_runtime.standalone import embedded as E
+from comfyui_lora_runtime.standalone.embedded import data as D
+from comfyui_lora_runtime.standalone.embedded.codec import psnr
+from comfyui_lora_runtime.standalone.host import latent_format
 
 HELD_OUT_SEED = 70001  # the training script renders from seeds < 1100
 
@@ -86,7 +86,7 @@ def test_the_learned_decoder_is_what_makes_it_clean(codec, held_out):
 
 
 def test_codec_file_round_trip(codec, tmp_path):
-    from comfyui_lora_runtime.embedded.codec import TinyCodec
+    from comfyui_lora_runtime.standalone.embedded.codec import TinyCodec
     codec.save(tmp_path / "c.safetensors")
     again = TinyCodec.load(tmp_path / "c.safetensors")
     z = torch.randn(2, 16, 1, 8, 8, generator=torch.Generator().manual_seed(2))
@@ -102,7 +102,7 @@ def test_codec_file_round_trip(codec, tmp_path):
 # -- text encoder --------------------------------------------------------------------
 
 def test_text_encoder_shapes_and_determinism(text_encoder):
-    from comfyui_lora_runtime.embedded.text_encoder import TinyTextEncoder
+    from comfyui_lora_runtime.standalone.embedded.text_encoder import TinyTextEncoder
     c = text_encoder.encode("red 7")
     assert c.shape == (1, 4, 4096) and c.dtype == torch.float32
     assert torch.equal(c, text_encoder.encode("  Red, 7 "))

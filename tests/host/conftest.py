@@ -52,7 +52,7 @@ def ref_json(ref_dir):
 
 @pytest.fixture(scope="session")
 def tiny_wan(ref_dir):
-    from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
+    from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint
 
     return load_wan_checkpoint(ref_dir / "tiny_wan_d128_l2.safetensors")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import latent_format
-from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas, ksampler, prepare_noise, sample_flow
+from comfyui_lora_runtime.standalone.host import latent_format
+from comfyui_lora_runtime.standalone.host.sampling import flow_sigmas, ksampler, prepare_noise, sample_flow
 
 KSAMPLER_ATOL = 1e-4  # README: independent fp32 forward lands within 2.3e-5
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import latent_format
-from comfyui_lora_runtime.host.bundled.sampling import (
+from comfyui_lora_runtime.standalone.host import latent_format
+from comfyui_lora_runtime.standalone.host.sampling import (
     SCHEDULER_NAMES,
     beta_ppf,
     flow_sigmas,

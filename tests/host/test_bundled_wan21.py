@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel, load_wan_checkpoint
+from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel, load_wan_checkpoint
 
 FORWARD_ATOL = 1e-5  # README: fp32 forward with a float32 timestep embedding lands at ~1.1e-6
 

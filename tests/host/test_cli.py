@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from comfyui_lora_runtime.__main__ import main, parse_set, CliError
-from comfyui_lora_runtime.host.bundled import progress
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled.png_metadata import read_png_metadata
+from comfyui_lora_runtime.standalone.cli import main, parse_set, CliError
+from comfyui_lora_runtime.standalone.host import progress
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.standalone.host.png_metadata import read_png_metadata
 
 
 class ToyImage:
@@ -163,7 +163,7 @@ def test_module_entry_point_subprocess(tmp_path):
 def test_sigint_first_requests_interrupt_second_aborts():
     import os
     import signal
-    from comfyui_lora_runtime.__main__ import _install_sigint
+    from comfyui_lora_runtime.standalone.cli import _install_sigint
     previous = _install_sigint()
     try:
         os.kill(os.getpid(), signal.SIGINT)

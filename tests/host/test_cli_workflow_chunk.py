@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfyui_lora_runtime.__main__ import default_node_classes, main
-from comfyui_lora_runtime.host.bundled.png_metadata import read_png_metadata
-from comfyui_lora_runtime.host.bundled.workflow_format import ui_to_api
+from comfyui_lora_runtime.standalone.cli import default_node_classes, main
+from comfyui_lora_runtime.standalone.host.png_metadata import read_png_metadata
+from comfyui_lora_runtime.standalone.host.workflow_format import ui_to_api
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / "example_workflows" / "embedded_style.json"
-from comfyui_lora_runtime.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips
 
 
 def run(workflow, out, *sets):
-    args = ["run", str(workflow), "--output", str(out), "--models", str(ROOT / "models")]
+    args = ["run", str(workflow), "--output", str(out), "--models", str(ROOT / "standalone" / "models")]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 0

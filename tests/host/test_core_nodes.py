@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import folder_paths, progress
-from comfyui_lora_runtime.host.bundled.core_nodes import (CORE_NODE_CLASS_MAPPINGS,
+from comfyui_lora_runtime.standalone.host import folder_paths, progress
+from comfyui_lora_runtime.standalone.host.core_nodes import (CORE_NODE_CLASS_MAPPINGS,
                                                           EmptyHunyuanLatentVideo, KSampler,
                                                           ModelSamplingSD3, SaveImage, UNETLoader)
-from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt
-from comfyui_lora_runtime.host.bundled.model_patcher import (BundledModel, BundledModelPatcher,
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt
+from comfyui_lora_runtime.standalone.host.model_patcher import (BundledModel, BundledModelPatcher,
                                                              ModelSamplingFlow)
-from comfyui_lora_runtime.host.bundled.png_metadata import read_png_metadata, save_png
+from comfyui_lora_runtime.standalone.host.png_metadata import read_png_metadata, save_png
 
 from testkit.refdata import REF  # noqa: E402
 
@@ -204,8 +204,8 @@ def reference_prompt(steps=4, shift=None):
 
 @pytest.fixture
 def ref_folders(tmp_path):
-    pytest.importorskip("comfyui_lora_runtime.host.bundled.wan21")
-    pytest.importorskip("comfyui_lora_runtime.host.bundled.sampling")
+    pytest.importorskip("comfyui_lora_runtime.standalone.host.wan21")
+    pytest.importorskip("comfyui_lora_runtime.standalone.host.sampling")
     from testkit.refdata import ref_file
     ref_file("tiny_wan_d128_l2.safetensors")
     dm = tmp_path / "models" / "diffusion_models"

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from comfyui_lora_runtime.host.bundled import progress
-from comfyui_lora_runtime.host.bundled.executor import (NodeExecutionError, PromptValidationError,
+from comfyui_lora_runtime.standalone.host import progress
+from comfyui_lora_runtime.standalone.host.executor import (NodeExecutionError, PromptValidationError,
                                                         execute_prompt, validate_prompt)
 
 CALLS: list = []

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from comfyui_lora_runtime.host.bundled.gguf_like import (PackedLinear, PackedTensor, QuantType, dequantize,
+from comfyui_lora_runtime.standalone.host.gguf_like import (PackedLinear, PackedTensor, QuantType, dequantize,
                                                          dequantize_q8_0, pack, pack_model, quantize_q8_0,
                                                          unpacked_model)
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan

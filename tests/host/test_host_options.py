@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_lora_runtime.embedded import require_committed_weights
-from comfyui_lora_runtime.__main__ import main
-from comfyui_lora_runtime.host.bundled import core_nodes, folder_paths, options
-from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.cli import main
+from comfyui_lora_runtime.standalone.host import core_nodes, folder_paths, options
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEN = []
@@ -74,7 +74,7 @@ def test_cli_passes_the_dtype_without_touching_the_environment(tmp_path, flag, e
 def test_unet_loader_loads_in_the_option_dtype():
     name = "tiny_wan_glyphs.safetensors"
     require_committed_weights()  # a checkout without them fails, never skips
-    with folder_paths.activated(folder_paths.ModelFolders(models_dir=ROOT / "models")):
+    with folder_paths.activated(folder_paths.ModelFolders(models_dir=ROOT / "standalone" / "models")):
         with options.using(unet_dtype="bf16"):
             (bf16,) = core_nodes.UNETLoader().load_unet(name, "default")
         (fp32,) = core_nodes.UNETLoader().load_unet(name, "default")

@@ -27,10 +27,10 @@ from torch import nn
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 
-from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
-from comfyui_lora_runtime.host.bundled.quant_ops import (QuantLinear, dequantized_model, linear_input_act,  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host.quant_ops import (QuantLinear, dequantized_model, linear_input_act,  # noqa: E402
                                                          quantize_model, quantized_layers, save_quantized)
-from comfyui_lora_runtime.host.bundled.wan21 import WanFeedForward, load_wan_checkpoint  # noqa: E402
+from comfyui_lora_runtime.standalone.host.wan21 import WanFeedForward, load_wan_checkpoint  # noqa: E402
 
 LAYOUTS = ["TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout"]
 # layout -> (checkpoint format, the layout ComfyUI's loader gives it, storage dtype, scale keys)
@@ -368,8 +368,8 @@ def test_legacy_scaled_fp8(quantized, call, tmp_path):
 
 
 def test_unet_loader_node_loads_a_quantized_file(quantized, call, tmp_path):
-    from comfyui_lora_runtime.host.bundled import folder_paths
-    from comfyui_lora_runtime.host.bundled.core_nodes import UNETLoader
+    from comfyui_lora_runtime.standalone.host import folder_paths
+    from comfyui_lora_runtime.standalone.host.core_nodes import UNETLoader
 
     dm = tmp_path / "models" / "diffusion_models"
     dm.mkdir(parents=True)
@@ -397,8 +397,8 @@ def test_host_imports_and_runs_without_comfy_kitchen(ref_dir):
     code = (
         "import sys; sys.modules['comfy_kitchen'] = None\n"
         "import torch\n"
-        "from comfyui_lora_runtime.host.bundled import quant_ops, core_nodes\n"
-        "from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint\n"
+        "from comfyui_lora_runtime.standalone.host import quant_ops, core_nodes\n"
+        "from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint\n"
         f"m = load_wan_checkpoint({str(ref_dir / 'tiny_wan_d128_l2.safetensors')!r})\n"
         "out = m(torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), torch.zeros(1, 2, 4096))\n"
         "assert out.shape == (1, 16, 1, 4, 4) and not quant_ops.is_quantized(m.blocks[0].ffn[2].weight)\n"

@@ -64,9 +64,9 @@ def test_real_reports_from_the_bundled_host(tmp_path):
     import json
 
     from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.embedded import require_committed_weights
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.embedded import require_committed_weights
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
     root = SCRIPT.parents[1]
     require_committed_weights()  # a checkout without them fails, never skips

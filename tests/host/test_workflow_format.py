@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled.workflow_format import (WorkflowFormatError, detect_format,
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.standalone.host.workflow_format import (WorkflowFormatError, detect_format,
                                                                load_workflow, set_widget_value, ui_to_api)
 
 

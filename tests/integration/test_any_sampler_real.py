@@ -308,7 +308,7 @@ def test_every_sampler_applies_the_adapter(assets, cond_class, no_adapter, fresh
 
 
 EMBEDDED_WF = REPO / "api_workflows" / "embedded_style.api.json"
-EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
+EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 
 
 @pytest.mark.skipif(not EMBEDDED_MODEL.is_file(), reason="embedded model not present")
@@ -319,7 +319,7 @@ def test_embedded_style_workflow_with_stock_samplers(assets, mode):
     SamplerCustomAdvanced, and the same graph without the adapter. 6 steps, batch 1 (runtime)."""
     comfy = assets
     shutil.copyfile(EMBEDDED_MODEL, comfy.diffusion_models_dir / EMBEDDED_MODEL.name)
-    for f in (REPO / "models" / "loras").glob("*.safetensors"):
+    for f in (REPO / "standalone" / "models" / "loras").glob("*.safetensors"):
         shutil.copyfile(f, comfy.loras_dir / f.name)
     wf = json.loads(EMBEDDED_WF.read_text())
     wf = {k: {"class_type": v["class_type"], "inputs": dict(v["inputs"])} for k, v in wf.items()}

@@ -91,8 +91,8 @@ FONT_PROBE_DEJAVU_PX = 294.06
 
 WORKFLOW = REPO / "example_workflows" / "embedded_style.json"
 API_WORKFLOW = REPO / "api_workflows" / "embedded_style.api.json"
-EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
-EMBEDDED_LORAS = REPO / "models" / "loras"
+EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
+EMBEDDED_LORAS = REPO / "standalone" / "models" / "loras"
 REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"
 FALLBACK_LORA = "it_browser_style.safetensors"
 

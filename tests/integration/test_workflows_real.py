@@ -205,10 +205,10 @@ class _SaveLatentStandIn:
 def bundled(assets, pack, tmp_path_factory):
     """run(prompt) -> (latent, LoRA Sampler report) through the pack's bundled host, with
     the server's model folders and the same helper conditioning node (same file)."""
-    from comfyui_lora_runtime import host
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
-    from comfyui_lora_runtime.host.bundled.folder_paths import ModelFolders
+    from comfyui_lora_runtime.nodes import host
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.host.folder_paths import ModelFolders
 
     if host.NAME != "bundled":
         pytest.skip(f"the test process sees ComfyUI (host {host.NAME!r}); the bundled host is not in use")

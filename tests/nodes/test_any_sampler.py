@@ -5,9 +5,9 @@ node and shown by the LoRA Runtime Report node, and everything restored on every
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import progress
-from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
-from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt
+from comfyui_lora_runtime.standalone.host import progress
+from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraRuntimeReport

@@ -8,8 +8,8 @@ backend, and aot_eager functionalizes the graph as inductor does; inductor's C++
 whole tiny DiT takes minutes on a busy CPU. Inductor itself: tests/runtime/test_compile_safe.py."""
 import torch
 
-from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
-from comfyui_lora_runtime.host.bundled.model_patcher import APPLY_MODEL
+from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
+from comfyui_lora_runtime.standalone.host.model_patcher import APPLY_MODEL
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 

@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
-from comfyui_lora_runtime.host.bundled.executor import execute_prompt  # noqa: E402
-from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt  # noqa: E402
+from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint  # noqa: E402
 from comfyui_lora_runtime.nodes import report  # noqa: E402
 from testkit.fixtures import write_kohya  # noqa: E402
 from testkit.nodes_helpers import CLASSES, Capture, sampling_graph  # noqa: E402

@@ -10,9 +10,9 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS  # noqa: E402
-from comfyui_lora_runtime.host.bundled import folder_paths  # noqa: E402
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS  # noqa: E402
-from comfyui_lora_runtime.host.bundled.executor import execute_prompt  # noqa: E402
+from comfyui_lora_runtime.standalone.host import folder_paths  # noqa: E402
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS  # noqa: E402
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt  # noqa: E402
 from comfyui_lora_runtime.nodes import report as report_mod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ and the first-call check counts it as run."""
 import torch
 import torch.nn.functional as F
 
-from comfyui_lora_runtime.host.bundled.model_patcher import PREPARE_SAMPLING
+from comfyui_lora_runtime.standalone.host.model_patcher import PREPARE_SAMPLING
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode
 from testkit.fixtures import write_kohya
 from testkit.nodes_helpers import _sample, _weights

@@ -8,8 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import folder_paths, sampling
-from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
+from comfyui_lora_runtime.standalone.host import folder_paths, sampling
+from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, ConfigError, LoraRuntimeError, applied, plan
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 from comfyui_lora_runtime.lora_runtime.layer.schedule import (SamplingSchedules, Branch, parse_schedule,
@@ -158,7 +158,7 @@ class FloatList:
 
 
 def test_a_float_list_socket_in_a_workflow(folders):
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
     from testkit.nodes_helpers import CLASSES, Capture
 
     def prompt(**loader):

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import folder_paths, sampling
-from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
+from comfyui_lora_runtime.standalone.host import folder_paths, sampling
+from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraRuntimeError, applied, plan
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle, report

@@ -357,8 +357,8 @@ def test_chroma_policy_a_flux_file_applies_what_maps_and_reports_the_rest(tmp_pa
 def test_chroma_policy_on_the_node(tmp_path, no_host):
     """Load LoRA Adapter: 'skip and report' applies what maps and lists the rest; 'error' stops on the
     first key without a layer; a file for another model is refused either way."""
-    from comfyui_lora_runtime.host.bundled import folder_paths
-    from comfyui_lora_runtime.host.bundled.model_patcher import BundledModel, BundledModelPatcher
+    from comfyui_lora_runtime.standalone.host import folder_paths
+    from comfyui_lora_runtime.standalone.host.model_patcher import BundledModel, BundledModelPatcher
     from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
     from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 

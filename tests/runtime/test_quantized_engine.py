@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.errors import LoraRuntimeError, MergeRefusedError  # noqa: E402

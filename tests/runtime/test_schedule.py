@@ -4,8 +4,8 @@ merge decision for an adapter whose strength varies."""
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled.model_patcher import ModelSamplingFlow
-from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas
+from comfyui_lora_runtime.standalone.host.model_patcher import ModelSamplingFlow
+from comfyui_lora_runtime.standalone.host.sampling import flow_sigmas
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, ConfigError, LoraInjector, MergeMode, plan
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context, parse_branch,

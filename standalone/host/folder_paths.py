@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 ENV_MODELS_DIR = "LORA_RUNTIME_MODELS_DIR"
 ENV_OUTPUT_DIR = "LORA_RUNTIME_OUTPUT_DIR"
 
-# The repo root (this file is <repo>/host/bundled/folder_paths.py).
+# The repo root (this file is <repo>/standalone/host/folder_paths.py).
 PACK_ROOT = Path(__file__).resolve().parents[2]
 
 # Folder kind -> allowed file extensions (lower case). Only safetensors: the
@@ -50,7 +50,7 @@ class ModelFolders:
     """Model folders, output and temp directories of one host configuration.
 
     models_dir: root holding one subfolder per kind (default: env
-        LORA_RUNTIME_MODELS_DIR, else <repo>/models).
+        LORA_RUNTIME_MODELS_DIR, else <repo>/standalone/models).
     output_dir: where SaveImage writes (default: env LORA_RUNTIME_OUTPUT_DIR,
         else <repo>/output).
     extra_paths: more folders per kind, searched after the root's subfolder.
@@ -62,7 +62,7 @@ class ModelFolders:
                  extra_paths: dict[str, list[str | os.PathLike]] | None = None,
                  extensions: dict[str, tuple[str, ...]] | None = None):
         if models_dir is None:
-            models_dir = os.environ.get(ENV_MODELS_DIR) or PACK_ROOT / "models"
+            models_dir = os.environ.get(ENV_MODELS_DIR) or PACK_ROOT / "standalone" / "models"
         if output_dir is None:
             output_dir = os.environ.get(ENV_OUTPUT_DIR) or PACK_ROOT / "output"
         if temp_dir is None:

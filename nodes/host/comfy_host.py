@@ -15,7 +15,7 @@ import comfy.patcher_extension
 import comfy.samplers
 import folder_paths
 
-from ..lora_runtime.files import host_keys
+from ...lora_runtime.files import host_keys
 
 log = logging.getLogger(__name__)
 

@@ -2,23 +2,23 @@
 
 Everything needed to run a real diffusion model on a fresh CPU machine without
 downloads, trained from scratch by ``tools/train_embedded.py`` and committed under
-``models/`` (see ``models/MODEL_CARD.md``):
+``standalone/models/`` (see ``standalone/models/MODEL_CARD.md``):
 
-- ``models/diffusion_models/tiny_wan_glyphs.safetensors``: Wan 2.1 T2V layout
+- ``standalone/models/diffusion_models/tiny_wan_glyphs.safetensors``: Wan 2.1 T2V layout
   (dim 128, 4 blocks), loadable by ComfyUI's UNETLoader and ``load_wan_checkpoint``;
-- ``models/loras/glyph_outline_style.safetensors`` (kohya), ``glyph_distilled_cfg``
+- ``standalone/models/loras/glyph_outline_style.safetensors`` (kohya), ``glyph_distilled_cfg``
   (PEFT, sub-ulp), ``glyph_outline_style_diffusers`` (diffusers-named Wan);
-- ``models/embedded/``: the codec (``TinyCodec``, the VAE's role), the text encoder
+- ``standalone/models/embedded/``: the codec (``TinyCodec``, the VAE's role), the text encoder
   (``TinyTextEncoder``) and the judge (``GlyphJudge``).
 
-``generate(...)`` in ``embedded.pipeline`` runs prompt -> KSampler -> decode.
+``generate(...)`` in ``standalone.embedded.pipeline`` runs prompt -> KSampler -> decode.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-PACK_ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = PACK_ROOT / "models"
+PACK_ROOT = Path(__file__).resolve().parents[2]
+MODELS_DIR = PACK_ROOT / "standalone" / "models"
 BASE_MODEL = MODELS_DIR / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 LORAS_DIR = MODELS_DIR / "loras"
 STYLE_LORA = LORAS_DIR / "glyph_outline_style.safetensors"
@@ -38,7 +38,7 @@ def require_committed_weights() -> None:
     missing = [str(p.relative_to(PACK_ROOT)) for p in COMMITTED if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"the embedded model's committed files are missing: {', '.join(missing)}; "
-                                "restore them from the repository (git checkout -- models)")
+                                "restore them from the repository (git checkout -- standalone/models)")
 
 
 # Sampler settings the embedded model is checked with (tests, model card).

@@ -1,10 +1,10 @@
 """Host functions backed by the bundled stand-in (no ComfyUI installed)."""
 from __future__ import annotations
 
-from .bundled import folder_paths, progress
-from .bundled.model_patcher import APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE  # noqa: F401
-from .bundled.core_nodes import _sampler_names, _scheduler_names, sample_with_progress
-from .bundled.progress import InterruptProcessingException  # noqa: F401
+from ...standalone.host import folder_paths, progress
+from ...standalone.host.model_patcher import APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE  # noqa: F401
+from ...standalone.host.core_nodes import _sampler_names, _scheduler_names, sample_with_progress
+from ...standalone.host.progress import InterruptProcessingException  # noqa: F401
 
 
 def lora_names() -> list[str]:
@@ -42,7 +42,7 @@ def scheduler_names() -> list[str]:
 def apply_clip_lora(clip, adapter, strength: float):
     """(a clone of `clip` with the adapter's text-encoder layers patched on at `strength`,
     {file layer: weight keys patched}, {file layer: why not applied}). `clip` is untouched."""
-    from .bundled.clip import load_lora, lora_key_map
+    from ...standalone.host.clip import load_lora, lora_key_map
 
     model = clip.cond_stage_model
     patches, skipped = load_lora(adapter.text_encoder, lora_key_map(model), model)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from . import DEFAULT_CFG, DEFAULT_SAMPLER, DEFAULT_SCHEDULER, DEFAULT_SHIFT, DEFAULT_STEPS
-from ..host.bundled.sampling import ksampler
+from ..host.sampling import ksampler
 
 logger = logging.getLogger(__name__)
 

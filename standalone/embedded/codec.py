@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..host.bundled import latent_format
+from ..host import latent_format
 
 logger = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .host.bundled import folder_paths, progress
-from .host.bundled.executor import execute_prompt
-from .host.bundled.workflow_format import set_widget_value
+from .host import folder_paths, progress
+from .host.executor import execute_prompt
+from .host.workflow_format import set_widget_value
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "api_workflows"
 UI_WORKFLOWS = ROOT / "example_workflows"  # the same graphs in the editor's format
 FEW_STEPS = 4  # what the distilled adapter is for: 4 steps at CFG 1
@@ -90,8 +90,8 @@ LABEL_H = 28  # two text lines above each row of the contact sheet
 
 
 def _classes() -> dict:
-    from . import NODE_CLASS_MAPPINGS
-    from .host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from .. import NODE_CLASS_MAPPINGS
+    from .host.core_nodes import CORE_NODE_CLASS_MAPPINGS
     return {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
 
