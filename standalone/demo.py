@@ -2,7 +2,7 @@
 
     python -m comfyui_lora_runtime demo [--output output/demo]
 
-Runs the saved API workflows in api_workflows/ on the bundled host with the embedded
+Runs the saved API workflows in workflows/api/ on the bundled host with the embedded
 tiny Wan 2.1 model stored in bfloat16 (as ComfyUI stores it on a GPU, so merge
 rounding is real), then writes into the output folder: every image, a contact sheet
 (contact_sheet.png) whose rows say what each run proves, and decisions.json; and
@@ -34,8 +34,8 @@ from .host.executor import execute_prompt
 from .host.workflow_format import set_widget_value
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOWS = ROOT / "api_workflows"
-UI_WORKFLOWS = ROOT / "example_workflows"  # the same graphs in the editor's format
+WORKFLOWS = ROOT / "workflows" / "api"
+UI_WORKFLOWS = ROOT / "workflows"  # the same graphs in the editor's format
 FEW_STEPS = 4  # what the distilled adapter is for: 4 steps at CFG 1
 PROMPTS = ("red 2", "green 5", "blue 8", "white 7")  # one digit per colour; each prompt is one execution
 BATCH = 2  # images per prompt (seeded noise of the workflow's seed)
@@ -44,7 +44,7 @@ BATCH = 2  # images per prompt (seeded noise of the workflow's seed)
 @dataclass(frozen=True)
 class Run:
     key: str            # short id (file prefix, decisions.json)
-    workflow: str       # api_workflows/<workflow>.api.json
+    workflow: str       # workflows/api/<workflow>.api.json
     proves: str         # the row's label; {share} and {mad} are filled in from the run
     reference: str      # key of the run its mean |diff| is measured against
     # overrides by node class: {class_type: {input: value}}; node ids are looked up in the workflow

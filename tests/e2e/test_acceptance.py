@@ -36,7 +36,7 @@ def run(tmp_path_factory):
     def _run(workflow, fresh=False, **overrides):
         key = (workflow, json.dumps(overrides, sort_keys=True))
         if fresh or key not in cache:
-            prompt = json.loads((ROOT / "api_workflows" / f"{workflow}.api.json").read_text())
+            prompt = json.loads((ROOT / "workflows" / "api" / f"{workflow}.api.json").read_text())
             prompt["8"]["inputs"]["steps"] = STEPS
             prompt["7"]["inputs"]["batch_size"] = 8
             for k, v in overrides.items():

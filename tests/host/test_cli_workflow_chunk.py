@@ -13,7 +13,7 @@ from comfyui_lora_runtime.standalone.host.png_metadata import read_png_metadata
 from comfyui_lora_runtime.standalone.host.workflow_format import ui_to_api
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKFLOW = ROOT / "example_workflows" / "embedded_style.json"
+WORKFLOW = ROOT / "workflows" / "embedded_style.json"
 from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips

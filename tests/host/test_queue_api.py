@@ -1,4 +1,4 @@
-"""examples/queue_api.py prints what the merge mode decided (issue 14, item 3): fed the
+"""workflows/api/queue_api.py prints what the merge mode decided (issue 14, item 3): fed the
 LoRA Sampler's report dicts as /history returns them; no server needed."""
 import importlib.util
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "queue_api.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "workflows" / "api" / "queue_api.py"
 spec = importlib.util.spec_from_file_location("queue_api", SCRIPT)
 queue_api = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(queue_api)
@@ -68,12 +68,12 @@ def test_real_reports_from_the_bundled_host(tmp_path):
     from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
     from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
-    root = SCRIPT.parents[1]
+    api_dir = SCRIPT.parent
     require_committed_weights()  # a checkout without them fails, never skips
     classes = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
     def first_line(workflow, mode):
-        prompt = json.loads((root / "api_workflows" / f"{workflow}.api.json").read_text())
+        prompt = json.loads((api_dir / f"{workflow}.api.json").read_text())
         prompt["8"]["inputs"]["steps"] = 1
         prompt["7"]["inputs"]["batch_size"] = 1
         prompt["3"]["inputs"]["mode"] = mode

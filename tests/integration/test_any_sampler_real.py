@@ -307,14 +307,14 @@ def test_every_sampler_applies_the_adapter(assets, cond_class, no_adapter, fresh
     assert_weights_fresh(assets, fresh, f"{mode}: after every sampler")
 
 
-EMBEDDED_WF = REPO / "api_workflows" / "embedded_style.api.json"
+EMBEDDED_WF = REPO / "workflows" / "api" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 
 
 @pytest.mark.skipif(not EMBEDDED_MODEL.is_file(), reason="embedded model not present")
 @pytest.mark.parametrize("mode", ["dynamic", "merge"])
 def test_embedded_style_workflow_with_stock_samplers(assets, mode):
-    """api_workflows/embedded_style.api.json (tiny glyph Wan + glyph_outline_style, the pack's tiny
+    """workflows/api/embedded_style.api.json (tiny glyph Wan + glyph_outline_style, the pack's tiny
     text encoder) with its LoRA Sampler's MODEL also fed to KSampler / KSamplerAdvanced /
     SamplerCustomAdvanced, and the same graph without the adapter. 6 steps, batch 1 (runtime)."""
     comfy = assets

@@ -33,8 +33,8 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    to the KSampler's ``node.properties``, and it comes back when the workflow is re-loaded;
 and no console/page errors beyond the listed benign ones.
 
-Workflow: ``example_workflows/embedded_style.json`` with the embedded model when its files are
-in ``models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
+Workflow: ``workflows/embedded_style.json`` with the embedded model when its files are
+in ``standalone/models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
 tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
 
 Environment (the tests skip, saying why, without them; nothing is downloaded):
@@ -89,8 +89,8 @@ ENV_DEJAVU = "LORA_RUNTIME_DEJAVU_DIR"
 # DejaVu Sans at 14 px, the negative prompt's title (PIL's advance; Chromium within a pixel)
 FONT_PROBE_DEJAVU_PX = 294.06
 
-WORKFLOW = REPO / "example_workflows" / "embedded_style.json"
-API_WORKFLOW = REPO / "api_workflows" / "embedded_style.api.json"
+WORKFLOW = REPO / "workflows" / "embedded_style.json"
+API_WORKFLOW = REPO / "workflows" / "api" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 EMBEDDED_LORAS = REPO / "standalone" / "models" / "loras"
 REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WF = REPO / "api_workflows"
-UI = REPO / "example_workflows"
+WF = REPO / "workflows" / "api"
+UI = REPO / "workflows"
 MODELS = REPO / "standalone" / "models"
 EMBEDDED = sorted(p.name[: -len(".api.json")] for p in WF.glob("embedded_*.api.json"))
 from comfyui_lora_runtime.standalone.embedded import require_committed_weights
@@ -80,10 +80,10 @@ def test_saved_workflow_gives_the_same_image_in_both_hosts(embedded_models, pack
 
 
 def test_headless_api_example(embedded_models, tmp_path):
-    pytest.importorskip("websocket", reason="examples/queue_api.py follows /ws with websocket-client")
+    pytest.importorskip("websocket", reason="workflows/api/queue_api.py follows /ws with websocket-client")
     comfy = embedded_models
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "queue_api.py"), str(WF / "embedded_style.api.json"),
+        [sys.executable, str(WF / "queue_api.py"), str(WF / "embedded_style.api.json"),
          "--server", f"127.0.0.1:{comfy.port}", "--set", "3.mode=dynamic", "--set", "5.text=blue 3",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -38,7 +38,7 @@ def node_reports(tmp_path_factory):
     folders = folder_paths.ModelFolders(output_dir=out)
     reports = {}
     for wf, mode in (("embedded_base", None), ("embedded_style", "auto"), ("embedded_distilled", "dynamic")):
-        prompt = json.loads((ROOT / "api_workflows" / f"{wf}.api.json").read_text())
+        prompt = json.loads((ROOT / "workflows" / "api" / f"{wf}.api.json").read_text())
         for node in prompt.values():
             if node["class_type"] == "LoraRuntimeSampler":
                 node["inputs"]["steps"] = 1

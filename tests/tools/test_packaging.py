@@ -67,8 +67,8 @@ def test_registry_icon_and_comfyui_versions():
 
 
 def test_example_workflows_are_the_ui_workflows_with_a_thumbnail_each():
-    api = sorted(p.name[:-len(".api.json")] for p in (ROOT / "api_workflows").glob("*.api.json"))
-    ex = ROOT / "example_workflows"
+    api = sorted(p.name[:-len(".api.json")] for p in (ROOT / "workflows" / "api").glob("*.api.json"))
+    ex = ROOT / "workflows"
     assert sorted(p.stem for p in ex.glob("*.json")) == api
     for name in api:
         saved = json.loads((ex / f"{name}.json").read_text())
@@ -89,9 +89,9 @@ def comfyui_template_listing(pack: Path) -> list[str]:
 
 def test_the_template_browser_lists_each_example_workflow_once():
     listed = comfyui_template_listing(ROOT)
-    examples = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
-    assert sorted(listed) == examples, "a template folder other than example_workflows/ holds .json files " \
-                                       "(API-format files belong in api_workflows/)"
+    examples = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
+    assert sorted(listed) == examples, "a template folder other than workflows/ holds .json files " \
+                                       "(API-format files belong in workflows/api/)"
     assert len(set(listed)) == len(listed)
 
 

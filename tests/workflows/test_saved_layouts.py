@@ -22,7 +22,7 @@ from comfyui_lora_runtime.tools import make_workflows as mw
 from comfyui_lora_runtime.tools import workflow_layout as layout
 
 ROOT = Path(__file__).resolve().parents[2]
-UI = ROOT / "example_workflows"
+UI = ROOT / "workflows"
 NAMES = sorted(p.stem for p in UI.glob("*.json"))
 CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 

@@ -10,8 +10,8 @@ from comfyui_lora_runtime.standalone.host.workflow_format import detect_format, 
 from comfyui_lora_runtime.tools import make_workflows as mw
 
 ROOT = Path(__file__).resolve().parents[2]
-WF = ROOT / "api_workflows"
-UI = ROOT / "example_workflows"
+WF = ROOT / "workflows" / "api"
+UI = ROOT / "workflows"
 
 
 def _stub(class_type, sockets, widgets, outputs):

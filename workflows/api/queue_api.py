@@ -1,7 +1,7 @@
 """Queue an API-format workflow on a running ComfyUI, follow it, fetch the images.
 
     pip install websocket-client
-    python examples/queue_api.py api_workflows/embedded_style.api.json \
+    python workflows/api/queue_api.py workflows/api/embedded_style.api.json \
         --server 127.0.0.1:8188 --set 3.mode=dynamic --out output/api
 
 1. POST /prompt {"prompt": ..., "client_id": ...}  -> prompt_id (HTTP 400 carries node_errors)

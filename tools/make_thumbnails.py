@@ -1,7 +1,7 @@
-"""Write the thumbnails of example_workflows/ (ComfyUI's template browser reads a pack's
-`example_workflows` folder: NAME.json plus NAME.jpg as its thumbnail) and docs/icon.png (the registry icon).
+"""Write the thumbnails of workflows/ (ComfyUI's template browser reads a pack's
+`workflows` folder: NAME.json plus NAME.jpg as its thumbnail) and docs/icon.png (the registry icon).
 
-    python tools/make_example_workflows.py --demo output/demo
+    python tools/make_thumbnails.py --demo output/demo
 
 - NAME.json: written by tools/make_workflows.py (the UI format the editor opens).
 - NAME.jpg for an embedded_* workflow: its images from the main job's output folder
@@ -19,7 +19,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "example_workflows"
+OUT = ROOT / "workflows"
 ICON = ROOT / "docs" / "icon.png"
 THUMB = 256
 # embedded workflow -> the main job's run whose images show it (demo.RUNS keys)
