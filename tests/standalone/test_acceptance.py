@@ -127,5 +127,5 @@ def test_distilled_adapter_on_the_first_half_of_the_denoising(run):
     const, _ = run("embedded_distilled", **{"4__tier": "exact"})
     off, _ = run("embedded_base", **{"8__cfg": 1.0, "4__tier": "exact"})
     # the wrong answers: the schedule ignored (constant adapter) and no adapter; inequalities here,
-    # the adapter's margins on its own 4-step job are measured in tests/e2e/test_main_job.py
+    # the adapter's margins on its own 4-step job are measured in tests/standalone/test_main_job.py
     assert not torch.equal(half, const) and not torch.equal(half, off)

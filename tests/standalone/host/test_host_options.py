@@ -12,7 +12,7 @@ from comfyui_lora_runtime.standalone.cli import main
 from comfyui_lora_runtime.standalone.host import core_nodes, folder_paths, options
 from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEEN = []
 
 

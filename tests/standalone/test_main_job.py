@@ -99,7 +99,7 @@ def test_base_samples_are_right(job, judge):
 def test_style_adapter_outlines_and_merges(job, judge):
     d, c = labels(job["rows"]["style_auto"])
     v = verdict(judge, job, "style_auto")
-    # 8 images here; the >= 95 % figure is measured on 80 in tests/embedded (100 %). The judge
+    # 8 images here; the >= 95 % figure is measured on 80 in tests/standalone/embedded (100 %). The judge
     # also reads some CFG-5 base glyphs with colour fringes as outlined (6 % of 80; here 3 of 8)
     outlined, base_outlined = float(v.outlined.float().mean()), float(verdict(judge, job, "base").outlined.float().mean())
     assert outlined >= 0.85 and outlined - base_outlined >= 0.5, (outlined, base_outlined)

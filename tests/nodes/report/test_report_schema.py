@@ -15,7 +15,7 @@ from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPP
 from comfyui_lora_runtime.standalone.host.executor import execute_prompt  # noqa: E402
 from comfyui_lora_runtime.nodes import report as report_mod  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = json.loads(report_mod.SCHEMA_PATH.read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 FIXTURE = ROOT / "tests" / "web" / "fixtures" / "main_job_reports.json"

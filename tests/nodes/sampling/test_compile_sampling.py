@@ -5,7 +5,7 @@ compiled graph is re-used (no recompile), and each image equals the uncompiled o
 
 Backend aot_eager: whether a call recompiles is dynamo's guard decision, the same for every
 backend, and aot_eager functionalizes the graph as inductor does; inductor's C++ build of the
-whole tiny DiT takes minutes on a busy CPU. Inductor itself: tests/runtime/test_compile_safe.py."""
+whole tiny DiT takes minutes on a busy CPU. Inductor itself: tests/lora_runtime/test_compile_safe.py."""
 import torch
 
 from comfyui_lora_runtime.standalone.host.core_nodes import KSampler

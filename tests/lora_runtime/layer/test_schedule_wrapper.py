@@ -1,7 +1,7 @@
 """Per-call adapter factors in the wrapper and the fused sites (issue 12): a scheduled
 multiplier is the adapter's runtime scale, a branch is a per-row 0/1 mask. Each numeric
 claim against a hand-built reference and against the wrong answer (schedule ignored).
-The fused sites: tests/fusion/test_fusion_schedule.py."""
+The fused sites: tests/lora_runtime/fusion/test_fusion_schedule.py."""
 import pytest
 import torch
 import torch.nn.functional as F
