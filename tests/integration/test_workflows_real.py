@@ -320,7 +320,7 @@ def test_validation_error_is_http_400_naming_our_node(assets, cond_class, node, 
 
 def test_adapter_matching_nothing_fails_at_its_node_and_leaves_no_trace(assets, cond_class, baseline):
     pid = assets.queue(build_prompt(cond_class, [(LORA_FLUX, 1.0)], "dynamic", "exact"))
-    with pytest.raises(AssertionError) as ei:  # conftest.PromptFailed
+    with pytest.raises(AssertionError) as ei:  # testkit.comfyui.server.PromptFailed
         assets.wait(pid)
     assert getattr(ei.value, "kind", None) == "execution_error", str(ei.value)
     data = ei.value.data

@@ -16,7 +16,7 @@ from comfyui_lora_runtime.lora_runtime import AdapterFormatError, AdapterSpec, a
 from comfyui_lora_runtime.lora_runtime.files.adapter import check_adapter_file
 from comfyui_lora_runtime.lora_runtime.files.pattern_match import Pattern
 
-from test_scale_sources import R, X, _check, _peft_sd, model, pairs  # noqa: F401  (model, pairs: fixtures)
+from testkit.scale_checks import R, X, check_scale as _check, peft_sd as _peft_sd
 
 
 def _snapshot(model):

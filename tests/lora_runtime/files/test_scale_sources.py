@@ -8,60 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, load_adapter, match_adapter, plan
+from comfyui_lora_runtime.lora_runtime import load_adapter, match_adapter
 
-from testkit.fixtures import TinyWanLike, make_adapter_tensors
-
-R = 4
-
-
-@pytest.fixture
-def model():
-    return TinyWanLike(dtype=torch.float32)
-
-
-@pytest.fixture
-def pairs(model):
-    return make_adapter_tensors(model, r=R, seed=7, scale=0.3)
-
-
-def _peft_sd(pairs, prefix="base_model.model."):
-    sd = {}
-    for name, (down, up) in pairs.items():
-        sd[f"{prefix}{name}.lora_A.weight"] = down.contiguous()
-        sd[f"{prefix}{name}.lora_B.weight"] = up.contiguous()
-    return sd
-
-
-def _out(model, path, x):
-    with torch.no_grad(), applied(model, plan(model, [AdapterSpec(str(path))], "dynamic", "exact"),
-                                  fusion_backend=None):
-        return model(x)
-
-
-def _expected(model, pairs, scales, x):
-    """The model's output with each layer's delta at its intended scale, by hand."""
-    import copy
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, (down, up) in pairs.items():
-            m.get_submodule(name).weight += (up.double() @ down.double()).float() * scales(name)
-        return m(x)
-
-
-def _check(model, pairs, path, scales, x, source_word):
-    got = _out(model, path, x)
-    want = _expected(model, pairs, scales, x)
-    wrong = _expected(model, pairs, lambda n: 1.0, x)   # the scale the loader used to apply
-    scale = want.abs().max()  # fp32 forward: tolerance relative to the output's size
-    err, off = (got - want).abs().max() / scale, (wrong - want).abs().max() / scale
-    assert err < 1e-5 and off > 100 * err, (float(err), float(off))
-    _, cov = match_adapter(load_adapter(path), model)
-    assert source_word in cov.to_dict()["scale_source"], cov.to_dict()["scale_source"]
-    return cov
-
-
-X = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+from testkit.scale_checks import R, X, applied_output as _out, check_scale as _check, expected_output as _expected
+from testkit.scale_checks import peft_sd as _peft_sd
 
 
 def test_peft_folder_adapter_config_json_beside_the_file(model, pairs, tmp_path):

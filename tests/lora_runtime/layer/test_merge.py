@@ -6,19 +6,7 @@ from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, r
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
-from testkit.fixtures import lora_pair
-
-
-def _wrapped(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    lin = torch.nn.Linear(in_f, out_f).to(dtype)
-    down, up = lora_pair(out_f, in_f, r, seed + 5, 1.0)
-    # scale the update to |dW|/|W| ~= rel
-    dw = up @ down
-    k = (rel * lin.weight.float().norm() / dw.norm()).sqrt()
-    w = LoraLinear(lin, "layer")
-    w.add_adapter("a", LayerAdapter("layer", down=(down * k).to(dtype), up=(up * k).to(dtype)), 1.0)
-    return w
+from testkit.fixtures import wrapped_lora_linear as _wrapped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

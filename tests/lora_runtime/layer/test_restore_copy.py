@@ -11,7 +11,7 @@ from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, R
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight
 
-from test_merge import _wrapped
+from testkit.fixtures import wrapped_lora_linear as _wrapped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
