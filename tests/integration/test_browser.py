@@ -1,6 +1,6 @@
 """The pack's frontend extension in a real browser: ComfyUI's editor in headless Chromium.
 
-One driver run (``browser/editor_driver.cjs``, Node + playwright-core, no browser
+One driver run (``tests/testkit/comfyui/editor_driver.cjs``, Node + playwright-core, no browser
 download: the system Chromium) goes through the editor the way a user does, stage by
 stage, and writes what it saw to a JSON file; the tests below check it stage by stage:
 
@@ -76,7 +76,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-DRIVER = HERE / "browser" / "editor_driver.cjs"
+DRIVER = HERE.parent / "testkit" / "comfyui" / "editor_driver.cjs"
 SCREENSHOT_DIR = REPO / "test-output" / "browser"
 DOCS_SCREENSHOT = REPO / "docs" / "editor_lora_nodes.png"
 DOCS_MAX_BYTES = 300 * 1024

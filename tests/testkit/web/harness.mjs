@@ -7,7 +7,7 @@ import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import { fileURLToPath, pathToFileURL } from "node:url";
 
-export const WEB_DIR = join(dirname(fileURLToPath(import.meta.url)), "..", "..", "web");
+export const WEB_DIR = join(dirname(fileURLToPath(import.meta.url)), "..", "..", "..", "web");
 
 const APP_STUB = `
 export const app = {

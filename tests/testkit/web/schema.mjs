@@ -4,7 +4,7 @@
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 
-import { WEB_DIR } from "./_harness.mjs";
+import { WEB_DIR } from "./harness.mjs";
 
 export const SCHEMA_PATH = join(WEB_DIR, "lora_report.schema.json");
 
