@@ -1,4 +1,4 @@
-"""ComfyUI 0.33-style quantized bases in the bundled host (`host/bundled/quant_ops.py`): comfy-kitchen
+"""ComfyUI 0.33-style quantized bases in the bundled host (`standalone/host/quant_ops.py`): comfy-kitchen
 QuantizedTensor weights in non-nn.Linear layers, ComfyUI's checkpoint format, and Wan's FFN
 folding GELU into an int8 down-projection (ffn.2's forward bypassed), on the tiny Wan checkpoint.
 
