@@ -31,6 +31,10 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    ``lora_runtime.report`` event puts the report on the KSampler (DOM widget, decision line),
    the report node shows it too, ``/history`` holds the report node's ``lora_report`` equal
    to the KSampler's ``node.properties``, and it comes back when the workflow is re-loaded;
+10. *Browse Templates* (the frontend's ``Comfy.BrowseTemplates`` command): the dialog lists the
+   pack's workflows (``GET /api/workflow_templates``: ``workflows/*.json``), the pack's category
+   (or the search box) shows ``embedded_style``'s card, a click loads it with its saved values
+   and closes the dialog, and the Run button runs it with the report on the sampler;
 and no console/page errors beyond the listed benign ones.
 
 Workflow: ``workflows/embedded_style.json`` with the embedded model when its files are
@@ -388,6 +392,11 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "stock": {"workflow": {"path": str(editor_assets["stock_path"]), "name": editor_assets["stock_path"].name,
                                "expected": expected_nodes(editor_assets["stock_workflow"])},
                   "samplerId": STOCK_SAMPLER_ID, "reportId": STOCK_REPORT_ID},
+        # Browse Templates: the pack's own workflows/embedded_style.json as ComfyUI serves it (runs when
+        # the embedded model is in the server's model folders)
+        "template": {"pack": comfy.pack_link_name, "name": WORKFLOW.stem,
+                     "expected": expected_nodes(json.loads(WORKFLOW.read_text(encoding="utf-8"))),
+                     "run": editor_assets["mode"] == "embedded", "samplerId": SAMPLER_ID},
         "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
         "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
         "docsViewport": {"width": 2400, "height": 900},
@@ -769,6 +778,18 @@ def test_stock_ksampler_shows_the_report_and_the_report_node_matches_history(edi
     # saved and re-loaded: the KSampler shows it again (the extension's loadedGraphNode hook)
     assert st["savedProperties"]["lora_runtime_report"] == sampler["properties"]["lora_runtime_report"]
     assert st["restored"]["visible"] and st["restored"]["text"] == sampler["text"], st["restored"]
+
+
+def test_browse_templates_opens_our_workflow_and_it_runs(editor_session, editor_assets):
+    """After the drag-and-drop stages: ComfyUI's Browse Templates dialog (its own command) lists the
+    pack's workflows from workflows/ (never the API prompts of workflows/api/); clicking
+    embedded_style's card loads it with its saved widget values and closes the dialog, and with
+    the embedded model in the server's folders the Run button runs it and the sampler shows its report."""
+    st = _ok(editor_session, "template")
+    assert sorted(st["listed"]) == sorted(p.stem for p in WORKFLOW.parent.glob("*.json")), st["listed"]
+    assert not st["problems"] and not st["dialogOpen"], st
+    if editor_assets["mode"] == "embedded":
+        assert st["outcome"] == "execution_success" and st["sampler"]["visible"], st
 
 
 def test_no_console_or_page_errors(editor_session):

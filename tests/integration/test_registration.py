@@ -143,3 +143,20 @@ def test_template_browser_lists_each_example_workflow_once(comfy):
     for name in ours[:2]:
         status, body = comfy._request("GET", f"/api/workflow_templates/{comfy.pack_link_name}/{name}.json")
         assert status == 200 and json.loads(body)["nodes"], name
+
+
+def test_templates_come_from_workflows_with_their_thumbnails_and_never_the_api_prompts(comfy):
+    """GET /api/workflow_templates (what Browse Templates reads) lists exactly workflows/*.json, each
+    file and its NAME.jpg thumbnail served byte for byte from workflows/; none of the API-format
+    prompts in workflows/api/ is listed (ComfyUI lists no subfolder)."""
+    status, listed = comfy.get_json("/api/workflow_templates")
+    assert status == 200
+    ours = sorted(listed.get(comfy.pack_link_name, []))
+    folder = REPO / "workflows"
+    assert ours == sorted(p.stem for p in folder.glob("*.json")), ours
+    api = sorted(p.name[:-len(".json")] for p in (folder / "api").glob("*.api.json"))
+    assert api and not set(api) & set(ours), ours
+    for name in ours:
+        for ext in ("json", "jpg"):
+            status, body = comfy._request("GET", f"/api/workflow_templates/{comfy.pack_link_name}/{name}.{ext}")
+            assert status == 200 and body == (folder / f"{name}.{ext}").read_bytes(), (name, ext, status)

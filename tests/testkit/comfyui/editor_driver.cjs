@@ -1025,6 +1025,74 @@ async function main() {
       });
     }
 
+    // 10. Browse Templates: the pack's workflow from ComfyUI's template dialog, then run ------------
+    currentStage = "template";
+    if (cfg.template) {
+      await stage("template", async (rec) => {
+        const t = cfg.template;
+        await clearGraph();
+        // what the dialog reads: GET /api/workflow_templates through the frontend's own api client
+        rec.listed = await page.evaluate(async (pack) => {
+          const all = await window.app.api.getWorkflowTemplates();
+          return all[pack] || null;
+        }, t.pack);
+        ensure(rec.listed && rec.listed.includes(t.name), `the pack's templates do not include ${t.name}`);
+        await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.BrowseTemplates"));
+        const content = page.locator('[data-testid="template-workflows-content"]').first();
+        await content.waitFor({ state: "visible", timeout: T.action });
+        await settle();
+        await shot("templates_dialog");
+        const card = page.locator(`[data-testid="template-workflow-${t.name}"]`).first();
+        const visible = async () => (await card.count()) > 0 && card.isVisible();
+        rec.foundVia = null;
+        if (await visible()) rec.foundVia = "first view";
+        // the pack's own category in the dialog's navigation (frontend 1.27: titled with the pack's folder name)
+        if (!rec.foundVia) {
+          const nav = page.locator(".p-dialog, [role=dialog]").getByText(t.pack, { exact: true }).first();
+          if ((await nav.count()) > 0) {
+            await nav.click().catch((e) => { rec.navError = String(e).split("\n")[0]; });
+            await settle();
+            if (await visible()) rec.foundVia = `navigation: ${t.pack}`;
+          }
+        }
+        // or the dialog's search box (frontend 1.49: extension templates are searchable by name and pack)
+        if (!rec.foundVia) {
+          const search = page.locator(".p-dialog input, [role=dialog] input").first();
+          if ((await search.count()) > 0) {
+            await search.fill(t.name).catch((e) => { rec.searchError = String(e).split("\n")[0]; });
+            await settle(1000);
+            if (await visible()) rec.foundVia = `search: ${t.name}`;
+          }
+        }
+        if (!rec.foundVia) {
+          await card.scrollIntoViewIfNeeded({ timeout: 5000 }).catch(() => {});
+          if (await visible()) rec.foundVia = "scrolled";
+        }
+        await shot("templates_our_card");
+        ensure(rec.foundVia, `no card template-workflow-${t.name} in the Browse Templates dialog`);
+        rec.thumbnail = await card.evaluate((el) => [...el.querySelectorAll("img")].map((i) => i.getAttribute("src")));
+        await card.click();
+        await waitForGraph(t.expected, `the nodes of the template ${t.name}`);
+        await settle();
+        rec.dialogOpen = await content.isVisible().catch(() => false);
+        rec.problems = compareNodes(await graphSnapshot(), t.expected);
+        await focusNodes(Object.keys(t.expected).map(Number), 30, 1.0);
+        await shot("template_loaded");
+        ensure(!rec.problems.length, rec.problems.join("; "));
+        if (t.run) {
+          // every node executes again (the same graph ran in the run stage): ComfyUI drops its cached outputs
+          rec.freed = await page.evaluate(async () => (await window.app.api.fetchApi("/free", {
+            method: "POST", headers: { "Content-Type": "application/json" },
+            body: JSON.stringify({ unload_models: true, free_memory: true }) })).status);
+          await queueFromUi(rec);
+          await waitForReport(t.samplerId, "the sampler's report widget after the template's run");
+          await focusNodes([t.samplerId], 30, 1.0); // near 100 %: a zoomed-out canvas hides DOM widgets
+          rec.sampler = await reportState(t.samplerId);
+          await shot("template_ran");
+        }
+      });
+    }
+
     currentStage = "end";
     results.finished = true;
   } finally {
