@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import header, interleaved_rounds, resolve_device  # noqa: E402
 
-from comfyui_lora_runtime.host.bundled import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper  # noqa: E402

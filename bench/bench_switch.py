@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel
+from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, plan
 
 from _timing import load_string

@@ -6,7 +6,7 @@ Parts, in this order (each one reported; a failing or timed-out part is recorded
 the next one still runs; a part whose share of the budget is gone is "skipped: budget"):
 
   env      GPU, driver, CUDA, torch, Triton versions
-  tests    the CUDA tests: pytest tests/kernels tests/fusion on the GPU (kernels vs
+  tests    the CUDA tests: pytest tests/kernels tests/lora_runtime/fusion on the GPU (kernels vs
            their torch references at bf16/fp16/fp32, odd shapes, several adapters,
            scale 1 and not, every launch-config candidate, the fusion guards)
   tune     the launch-config table for the benchmark's shape buckets (ops x FFN
@@ -163,7 +163,7 @@ def part_env(ctx) -> dict:
 
 def part_tests(ctx) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-           "tests/kernels", "tests/fusion"]
+           "tests/kernels", "tests/lora_runtime/fusion"]
     if ctx.dry:
         cmd.append("--collect-only")
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import host
+from . import host
 from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.layer.schedule import parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, check_strength

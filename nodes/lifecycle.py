@@ -37,7 +37,7 @@ import contextvars
 import logging
 import time
 
-from .. import host
+from . import host
 from ..lora_runtime import applied, compile_watch, plan
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import host
+from . import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
 from ..lora_runtime.files.adapter import check_adapter_file
 from ..lora_runtime.apply import filter_layers

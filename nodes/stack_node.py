@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 
-from .. import host
+from . import host
 from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule

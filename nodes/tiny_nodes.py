@@ -1,6 +1,6 @@
 """Nodes for the embedded default model: its text encoder and its codec (the VAE's role).
 
-They load their weights from the pack's own ``models/embedded/`` folder, so the main
+They load their weights from the pack's own ``standalone/models/embedded/`` folder, so the main
 job and the tests run on a fresh machine with no downloads. Weights are loaded once
 per process and shared (read-only).
 """
@@ -19,15 +19,15 @@ DEMO_NOTE = "Demo node for the pack's embedded tiny model only (64x64 glyphs; no
 
 @functools.lru_cache(maxsize=None)
 def _text_encoder():
-    from ..embedded import TEXT_ENCODER
-    from ..embedded.text_encoder import TinyTextEncoder
+    from ..standalone.embedded import TEXT_ENCODER
+    from ..standalone.embedded.text_encoder import TinyTextEncoder
     return TinyTextEncoder.load(TEXT_ENCODER)
 
 
 @functools.lru_cache(maxsize=None)
 def _codec():
-    from ..embedded import CODEC
-    from ..embedded.codec import TinyCodec
+    from ..standalone.embedded import CODEC
+    from ..standalone.embedded.codec import TinyCodec
     return TinyCodec.load(CODEC)
 
 

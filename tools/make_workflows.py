@@ -1,8 +1,8 @@
-"""Write the saved workflows from one description: API format in api_workflows/, UI format in
-example_workflows/ (the folder ComfyUI's template browser reads; its thumbnails are made by
-tools/make_example_workflows.py).
+"""Write the saved workflows from one description: API format in workflows/api/, UI format in
+workflows/ (the folder ComfyUI's template browser reads; its thumbnails are made by
+tools/make_thumbnails.py).
 
-    python tools/make_workflows.py            # rewrite api_workflows/*.api.json and example_workflows/*.json
+    python tools/make_workflows.py            # rewrite workflows/api/*.api.json and workflows/*.json
 
 Each graph below is described once; the API file is what POST /prompt takes, the UI
 file is what ComfyUI's editor loads (drag-and-drop) with the same widget values.
@@ -10,8 +10,9 @@ Widget order comes from the node classes' INPUT_TYPES for our nodes and the bund
 core nodes, and from `COMFY_ONLY` for ComfyUI nodes the bundled host does not have.
 Node sizes and places come from their content measured for the widest plausible font
 (tools/workflow_layout.py), so no node covers another whatever font the browser has.
-ComfyUI also lists every .json under a pack's workflows/, workflow/, examples/ and example/
-folders as templates: the API files live under api_workflows/, which it does not scan.
+ComfyUI lists every .json directly in a pack's example_workflows/, example/, examples/, workflow/
+or workflows/ folder as a template, but not those in a subfolder: the API files live in
+workflows/api/, which it does not scan.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ else:
     from . import workflow_layout as layout
 
 ROOT = Path(__file__).resolve().parents[1]
-API_OUT = ROOT / "api_workflows"
-UI_OUT = ROOT / "example_workflows"
+API_OUT = ROOT / "workflows" / "api"
+UI_OUT = ROOT / "workflows"
 
 # ComfyUI nodes outside the bundled host: (socket inputs, widget names, outputs)
 COMFY_ONLY = {
@@ -61,7 +62,7 @@ SOCKET_TYPES = {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK
 def node_classes() -> dict:
     sys.path.insert(0, str(ROOT.parent))
     from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
     return {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 
 
@@ -322,12 +323,12 @@ def graphs() -> dict:
 
 def main() -> None:
     classes = node_classes()
-    API_OUT.mkdir(exist_ok=True)
+    API_OUT.mkdir(parents=True, exist_ok=True)
     UI_OUT.mkdir(exist_ok=True)
     for name, graph in graphs().items():
         (API_OUT / f"{name}.api.json").write_text(json.dumps(api_format(graph), indent=1) + "\n")
         (UI_OUT / f"{name}.json").write_text(json.dumps(ui_format(graph, classes), indent=1) + "\n")
-        print(f"wrote api_workflows/{name}.api.json and example_workflows/{name}.json")
+        print(f"wrote workflows/api/{name}.api.json and workflows/{name}.json")
 
 
 if __name__ == "__main__":

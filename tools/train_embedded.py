@@ -1,7 +1,7 @@
 """Train the embedded default model from scratch: data, codec, text encoder, judge,
 base Wan 2.1 DiT and three LoRA adapters. Deterministic (seeded), CPU only.
 
-    python tools/train_embedded.py                 # full run, writes models/
+    python tools/train_embedded.py                 # full run, writes standalone/models/
     python tools/train_embedded.py --quick --out /tmp/emb   # a short smoke run
 
 Stages (time printed per stage):
@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comfyui_lora_runtime import embedded as E
-from comfyui_lora_runtime.embedded import data as D
-from comfyui_lora_runtime.embedded.codec import TinyCodec, psnr
-from comfyui_lora_runtime.embedded.judge import GlyphJudge, JudgeNet
-from comfyui_lora_runtime.embedded.pipeline import generate, mean_abs_diff_255
-from comfyui_lora_runtime.embedded.text_encoder import MAX_TOKENS, VOCAB, TinyTextEncoder
-from comfyui_lora_runtime.host.bundled.sampling import time_snr_shift
-from comfyui_lora_runtime.host.bundled.wan21 import WanConfig, WanModel, load_wan_checkpoint
+from comfyui_lora_runtime.standalone import embedded as E
+from comfyui_lora_runtime.standalone.embedded import data as D
+from comfyui_lora_runtime.standalone.embedded.codec import TinyCodec, psnr
+from comfyui_lora_runtime.standalone.embedded.judge import GlyphJudge, JudgeNet
+from comfyui_lora_runtime.standalone.embedded.pipeline import generate, mean_abs_diff_255
+from comfyui_lora_runtime.standalone.embedded.text_encoder import MAX_TOKENS, VOCAB, TinyTextEncoder
+from comfyui_lora_runtime.standalone.host.sampling import time_snr_shift
+from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel, load_wan_checkpoint
 
 BASE_CONFIG = WanConfig(dim=128, ffn_dim=512, num_layers=4, num_heads=1, in_dim=16, out_dim=16,
                         text_dim=4096, freq_dim=256, patch_size=(1, 2, 2))
@@ -440,7 +440,7 @@ def train_style(args, te, latents, base_path: Path, out: Path):
 def euler_model_space(model, z, ids, steps: int, cfg: float) -> torch.Tensor:
     """The bundled KSampler's euler / simple / shift-8 loop in model space (training-time copy,
     batched cond/uncond like ComfyUI). z: noise [B, 16, 1, 8, 8]; ids: token ids [B, L]."""
-    from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas
+    from comfyui_lora_runtime.standalone.host.sampling import flow_sigmas
     sig = flow_sigmas(steps, "simple", SHIFT)
     x = z.clone()
     ctx = ids.unsqueeze(-1).float()
@@ -492,7 +492,7 @@ def train_distilled(args, te, latents, base_path: Path, out: Path) -> Path:
     hus = {n: half_ulp_bf16(l.base.weight.detach()) for n, l in loras.items()}
     params = [p for l in loras.values() for p in (l.down, l.up)]
     opt = torch.optim.AdamW(params, lr=args.distill_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    from comfyui_lora_runtime.host.bundled.sampling import flow_sigmas
+    from comfyui_lora_runtime.standalone.host.sampling import flow_sigmas
     sig4 = flow_sigmas(args.distill_student_steps, "simple", SHIFT)[:-1]
     running = None
     for step in range(args.distill_steps):
@@ -611,7 +611,7 @@ def save_grid(path: Path, rows: list[torch.Tensor]) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=E.MODELS_DIR, help="output models folder (default: the pack's models/)")
+    p.add_argument("--out", type=Path, default=E.MODELS_DIR, help="output models folder (default: the pack's standalone/models/)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a short smoke run (small pools, few steps)")

@@ -9,7 +9,7 @@ loads, the pack loads, onto the same targets.
 
     set_provider(fn)            # fn(model: nn.Module) -> HostKeyMap | None; None unregisters
     key_map_for(model)          # the registered provider's answer, or None (bundled host, errors)
-    from_key_map(...)           # a ComfyUI-style key map -> HostKeyMap (used by host/comfy_host.py)
+    from_key_map(...)           # a ComfyUI-style key map -> HostKeyMap (used by nodes/host/comfy_host.py)
     host_targets(adapter, hmap, modules, params) -> {stem: Target}, {stem: why not}
 
 A ComfyUI-style key map (``comfy.lora.model_lora_keys_unet``) maps a file stem to either a

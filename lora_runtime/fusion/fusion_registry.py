@@ -8,7 +8,7 @@ base weight only). Each fusion therefore declares, at registration:
 - ``op``: the kernel op it runs (kernels.registry); each of the op's backends is
   one implementation of the fusion, and the registry test runs every one of them;
 - ``tested_with_dynamic_adapter=True``: the generic registry test
-  (tests/fusion/test_fusion_registry.py) mounts it alone on a site whose linears
+  (tests/lora_runtime/fusion/test_fusion_registry.py) mounts it alone on a site whose linears
   carry a dynamic adapter and requires the output to equal the unfused forward
   within the tier *and* differ from the base-weight-only output; or
 - ``cannot_drop_reason``: a written reason why it cannot drop an adapter's output.

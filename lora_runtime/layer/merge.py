@@ -16,7 +16,7 @@ the merge crossed a rounding boundary; those elements (index + original value) a
 all the record keeps. Where that is larger than a copy of the weight, the record
 keeps a full copy instead. Memory for restore = the record: ``n_exceptions *
 (index bytes + value bytes)`` or one weight copy, whichever is smaller (measured in
-tests/runtime/test_merge.py). A fingerprint of the original weight is checked after
+tests/lora_runtime/layer/test_merge.py). A fingerprint of the original weight is checked after
 every restore; a mismatch raises RestoreError instead of continuing silently.
 """
 from __future__ import annotations

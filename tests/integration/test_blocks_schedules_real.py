@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, rel_diff,
-                                   reports_sent, run)
+from testkit.comfyui.prompts import SETTINGS, Prompt, assert_bitwise, assert_changed, rel_diff, reports_sent, run
 from testkit.lora_assets import install_model_and_lora, save_adapter_file
 
 LORA, EDITED = "it_blocks_style.safetensors", "it_blocks_style_edited.safetensors"

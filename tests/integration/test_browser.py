@@ -1,6 +1,6 @@
 """The pack's frontend extension in a real browser: ComfyUI's editor in headless Chromium.
 
-One driver run (``browser/editor_driver.cjs``, Node + playwright-core, no browser
+One driver run (``tests/testkit/comfyui/editor_driver.cjs``, Node + playwright-core, no browser
 download: the system Chromium) goes through the editor the way a user does, stage by
 stage, and writes what it saw to a JSON file; the tests below check it stage by stage:
 
@@ -31,10 +31,14 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    ``lora_runtime.report`` event puts the report on the KSampler (DOM widget, decision line),
    the report node shows it too, ``/history`` holds the report node's ``lora_report`` equal
    to the KSampler's ``node.properties``, and it comes back when the workflow is re-loaded;
+10. *Browse Templates* (the frontend's ``Comfy.BrowseTemplates`` command): the dialog lists the
+   pack's workflows (``GET /api/workflow_templates``: ``workflows/*.json``), the pack's category
+   (or the search box) shows ``embedded_style``'s card, a click loads it with its saved values
+   and closes the dialog, and the Run button runs it with the report on the sampler;
 and no console/page errors beyond the listed benign ones.
 
-Workflow: ``example_workflows/embedded_style.json`` with the embedded model when its files are
-in ``models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
+Workflow: ``workflows/embedded_style.json`` with the embedded model when its files are
+in ``standalone/models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
 tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
 
 Environment (the tests skip, saying why, without them; nothing is downloaded):
@@ -76,7 +80,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-DRIVER = HERE / "browser" / "editor_driver.cjs"
+DRIVER = HERE.parent / "testkit" / "comfyui" / "editor_driver.cjs"
 SCREENSHOT_DIR = REPO / "test-output" / "browser"
 DOCS_SCREENSHOT = REPO / "docs" / "editor_lora_nodes.png"
 DOCS_MAX_BYTES = 300 * 1024
@@ -89,10 +93,10 @@ ENV_DEJAVU = "LORA_RUNTIME_DEJAVU_DIR"
 # DejaVu Sans at 14 px, the negative prompt's title (PIL's advance; Chromium within a pixel)
 FONT_PROBE_DEJAVU_PX = 294.06
 
-WORKFLOW = REPO / "example_workflows" / "embedded_style.json"
-API_WORKFLOW = REPO / "api_workflows" / "embedded_style.api.json"
-EMBEDDED_MODEL = REPO / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
-EMBEDDED_LORAS = REPO / "models" / "loras"
+WORKFLOW = REPO / "workflows" / "embedded_style.json"
+API_WORKFLOW = REPO / "workflows" / "api" / "embedded_style.api.json"
+EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
+EMBEDDED_LORAS = REPO / "standalone" / "models" / "loras"
 REFERENCE_MODEL = "tiny_wan_d128_l2.safetensors"
 FALLBACK_LORA = "it_browser_style.safetensors"
 
@@ -388,6 +392,11 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "stock": {"workflow": {"path": str(editor_assets["stock_path"]), "name": editor_assets["stock_path"].name,
                                "expected": expected_nodes(editor_assets["stock_workflow"])},
                   "samplerId": STOCK_SAMPLER_ID, "reportId": STOCK_REPORT_ID},
+        # Browse Templates: the pack's own workflows/embedded_style.json as ComfyUI serves it (runs when
+        # the embedded model is in the server's model folders)
+        "template": {"pack": comfy.pack_link_name, "name": WORKFLOW.stem,
+                     "expected": expected_nodes(json.loads(WORKFLOW.read_text(encoding="utf-8"))),
+                     "run": editor_assets["mode"] == "embedded", "samplerId": SAMPLER_ID},
         "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
         "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
         "docsViewport": {"width": 2400, "height": 900},
@@ -769,6 +778,18 @@ def test_stock_ksampler_shows_the_report_and_the_report_node_matches_history(edi
     # saved and re-loaded: the KSampler shows it again (the extension's loadedGraphNode hook)
     assert st["savedProperties"]["lora_runtime_report"] == sampler["properties"]["lora_runtime_report"]
     assert st["restored"]["visible"] and st["restored"]["text"] == sampler["text"], st["restored"]
+
+
+def test_browse_templates_opens_our_workflow_and_it_runs(editor_session, editor_assets):
+    """After the drag-and-drop stages: ComfyUI's Browse Templates dialog (its own command) lists the
+    pack's workflows from workflows/ (never the API prompts of workflows/api/); clicking
+    embedded_style's card loads it with its saved widget values and closes the dialog, and with
+    the embedded model in the server's folders the Run button runs it and the sampler shows its report."""
+    st = _ok(editor_session, "template")
+    assert sorted(st["listed"]) == sorted(p.stem for p in WORKFLOW.parent.glob("*.json")), st["listed"]
+    assert not st["problems"] and not st["dialogOpen"], st
+    if editor_assets["mode"] == "embedded":
+        assert st["outcome"] == "execution_success" and st["sampler"]["visible"], st
 
 
 def test_no_console_or_page_errors(editor_session):

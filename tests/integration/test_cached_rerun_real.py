@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import uuid
 
 import pytest
+from testkit.comfyui.ws_client import open_websocket
 from testkit.lora_assets import install_model_and_lora
 
 LORA = "it_cached_rerun.safetensors"  # written here only: the first run cannot come from the cache
@@ -63,7 +63,6 @@ def assets(comfy, reference):
 @contextlib.contextmanager
 def fresh_client(comfy):
     """Queue and follow prompts as another client (a new client id and its own /ws) inside the block."""
-    open_websocket = sys.modules[type(comfy).__module__].open_websocket  # tests/integration/conftest.py
     old = comfy.client_id, comfy._ws
     comfy.client_id = uuid.uuid4().hex
     comfy._ws = open_websocket("127.0.0.1", comfy.port, f"/ws?clientId={comfy.client_id}")

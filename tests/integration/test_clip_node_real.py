@@ -51,7 +51,7 @@ save_file(t, path)
 folder_paths.add_model_folder_path("loras", loras, is_default=True)
 
 import comfyui_lora_runtime as pack
-from comfyui_lora_runtime import host
+from comfyui_lora_runtime.nodes import host
 from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 node = pack.NODE_CLASS_MAPPINGS["LoraRuntimeLoadAdapterModelClip"]
 res = {"host": host.NAME, "valid": node.VALIDATE_INPUTS("te_clip.safetensors")}

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_any_sampler_real import (LORA_A, MODEL, Prompt, assert_changed, assert_psnr, assets, cond_class,  # noqa: F401
-                                   fresh, latent_of, no_adapter, reports_sent)
-from testkit.lora_assets import write_variant_file
+from testkit.comfyui.prompts import LORA_A, Prompt, assert_changed, assert_psnr, latent_of, reports_sent
+from testkit.lora_assets import MODEL, write_variant_file
 
 VARIANTS = {"lokr_w1_w2ab": "it_compile/lokr.safetensors", "dora_out": "it_compile/dora_out.safetensors"}
 
@@ -27,7 +26,7 @@ def _report_of(record, node):
 
 
 @pytest.mark.parametrize("adapter", ["lora", *VARIANTS])
-def test_torch_compile_model_after_our_loader_does_not_recompile(assets, reference, cond_class, no_adapter,  # noqa: F811
+def test_torch_compile_model_after_our_loader_does_not_recompile(assets, reference, cond_class, no_adapter,
                                                                  adapter):
     name = LORA_A
     if adapter in VARIANTS:

@@ -52,7 +52,7 @@ import nodes as comfy_nodes
 from safetensors.torch import save_file
 
 import comfyui_lora_runtime as pack
-from comfyui_lora_runtime import host
+from comfyui_lora_runtime.nodes import host
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 from comfyui_lora_runtime.lora_runtime.files.key_formats import split_key
 from testkit import dialect_models as M

@@ -180,7 +180,7 @@ def test_every_mode_and_tier_against_comfyui_gguf(gguf_comfy, qtype):
 def test_q8_0_merge_is_refused_and_its_advice_runs(gguf_comfy):
     p = Prompt(gguf_comfy, "Q8_0")
     p.ours("m", "it_gguf/lora.safetensors", "merge", "lossless")
-    with pytest.raises(AssertionError) as ei:  # conftest.PromptFailed: ComfyUI's execution_error
+    with pytest.raises(AssertionError) as ei:  # testkit.comfyui.server.PromptFailed: ComfyUI's execution_error
         run(gguf_comfy, p)
     msg = str(ei.value)
     assert "weight is GGUF Q8_0 (quantized/packed)" in msg and "Use merge mode 'dynamic'" in msg, msg[:2000]

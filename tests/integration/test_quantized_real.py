@@ -303,7 +303,7 @@ def test_ours_against_comfyui_and_ideal(quant, fmt, mode):
     try:
         lat, reps = run(quant, p)
     except AssertionError as e:
-        if type(e).__name__ != "PromptFailed":  # conftest.PromptFailed: ComfyUI's execution_error
+        if type(e).__name__ != "PromptFailed":  # testkit.comfyui.server.PromptFailed: ComfyUI's execution_error
             raise
         failed = e
     state = weight_state(quant, fmt)

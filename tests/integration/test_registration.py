@@ -134,12 +134,29 @@ def test_embedded_model_helpers_are_in_a_marked_demo_category(object_info, pack)
 
 
 def test_template_browser_lists_each_example_workflow_once(comfy):
-    """/workflow_templates (ComfyUI's scan of example_workflows/, workflows/, examples/, ...) lists the
+    """/workflow_templates (ComfyUI's scan of example_workflows/, workflows/, examples/, ...: here workflows/) lists the
     pack's example workflows, each once, and each opens from its template route."""
     status, listed = comfy.get_json("/workflow_templates")
     assert status == 200
     ours = sorted(listed.get(comfy.pack_link_name, []))
-    assert ours == sorted(p.stem for p in (REPO / "example_workflows").glob("*.json")), ours
+    assert ours == sorted(p.stem for p in (REPO / "workflows").glob("*.json")), ours
     for name in ours[:2]:
         status, body = comfy._request("GET", f"/api/workflow_templates/{comfy.pack_link_name}/{name}.json")
         assert status == 200 and json.loads(body)["nodes"], name
+
+
+def test_templates_come_from_workflows_with_their_thumbnails_and_never_the_api_prompts(comfy):
+    """GET /api/workflow_templates (what Browse Templates reads) lists exactly workflows/*.json, each
+    file and its NAME.jpg thumbnail served byte for byte from workflows/; none of the API-format
+    prompts in workflows/api/ is listed (ComfyUI lists no subfolder)."""
+    status, listed = comfy.get_json("/api/workflow_templates")
+    assert status == 200
+    ours = sorted(listed.get(comfy.pack_link_name, []))
+    folder = REPO / "workflows"
+    assert ours == sorted(p.stem for p in folder.glob("*.json")), ours
+    api = sorted(p.name[:-len(".json")] for p in (folder / "api").glob("*.api.json"))
+    assert api and not set(api) & set(ours), ours
+    for name in ours:
+        for ext in ("json", "jpg"):
+            status, body = comfy._request("GET", f"/api/workflow_templates/{comfy.pack_link_name}/{name}.{ext}")
+            assert status == 200 and body == (folder / f"{name}.{ext}").read_bytes(), (name, ext, status)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WF = REPO / "api_workflows"
-UI = REPO / "example_workflows"
-MODELS = REPO / "models"
+WF = REPO / "workflows" / "api"
+UI = REPO / "workflows"
+MODELS = REPO / "standalone" / "models"
 EMBEDDED = sorted(p.name[: -len(".api.json")] for p in WF.glob("embedded_*.api.json"))
-from comfyui_lora_runtime.embedded import require_committed_weights
+from comfyui_lora_runtime.standalone.embedded import require_committed_weights
 
 require_committed_weights()  # a checkout without them fails here, never skips
 
@@ -34,9 +34,9 @@ def embedded_models(comfy):
 
 def _bundled_images(name: str, tmp_path: Path) -> np.ndarray:
     from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled import folder_paths
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.host import folder_paths
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
     prompt = json.loads((WF / f"{name}.api.json").read_text())
     res = execute_prompt(prompt, {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS},
@@ -56,11 +56,11 @@ def _comfy_images(comfy, prompt: dict) -> tuple[np.ndarray, dict]:
 
 @pytest.mark.parametrize("name", EMBEDDED)
 def test_saved_workflow_gives_the_same_image_in_both_hosts(embedded_models, pack, name, tmp_path):
-    from comfyui_lora_runtime.host.bundled.workflow_format import ui_to_api
+    from comfyui_lora_runtime.standalone.host.workflow_format import ui_to_api
 
     comfy = embedded_models
     api = json.loads((WF / f"{name}.api.json").read_text())
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
     classes = {**CORE_NODE_CLASS_MAPPINGS, **pack.NODE_CLASS_MAPPINGS}
     from_ui = ui_to_api(json.loads((UI / f"{name}.json").read_text()), classes)
     assert {k: v["inputs"] for k, v in from_ui.items()} == {k: v["inputs"] for k, v in api.items()}
@@ -80,10 +80,10 @@ def test_saved_workflow_gives_the_same_image_in_both_hosts(embedded_models, pack
 
 
 def test_headless_api_example(embedded_models, tmp_path):
-    pytest.importorskip("websocket", reason="examples/queue_api.py follows /ws with websocket-client")
+    pytest.importorskip("websocket", reason="workflows/api/queue_api.py follows /ws with websocket-client")
     comfy = embedded_models
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "queue_api.py"), str(WF / "embedded_style.api.json"),
+        [sys.executable, str(WF / "queue_api.py"), str(WF / "embedded_style.api.json"),
          "--server", f"127.0.0.1:{comfy.port}", "--set", "3.mode=dynamic", "--set", "5.text=blue 3",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

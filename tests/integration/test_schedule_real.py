@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_any_sampler_real import (SETTINGS, Prompt, assert_bitwise, assert_changed, assert_psnr, psnr,
-                                   reports_sent, run)
-from testkit.lora_assets import install_model_and_lora
+from testkit.comfyui.prompts import SETTINGS, Prompt, assert_bitwise, assert_changed, assert_psnr, reports_sent, run
+from testkit.lora_assets import install_model_and_lora, psnr
 
 LORA = "it_sched_style.safetensors"
 

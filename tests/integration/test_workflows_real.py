@@ -205,10 +205,10 @@ class _SaveLatentStandIn:
 def bundled(assets, pack, tmp_path_factory):
     """run(prompt) -> (latent, LoRA Sampler report) through the pack's bundled host, with
     the server's model folders and the same helper conditioning node (same file)."""
-    from comfyui_lora_runtime import host
-    from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
-    from comfyui_lora_runtime.host.bundled.folder_paths import ModelFolders
+    from comfyui_lora_runtime.nodes import host
+    from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.host.folder_paths import ModelFolders
 
     if host.NAME != "bundled":
         pytest.skip(f"the test process sees ComfyUI (host {host.NAME!r}); the bundled host is not in use")
@@ -320,7 +320,7 @@ def test_validation_error_is_http_400_naming_our_node(assets, cond_class, node, 
 
 def test_adapter_matching_nothing_fails_at_its_node_and_leaves_no_trace(assets, cond_class, baseline):
     pid = assets.queue(build_prompt(cond_class, [(LORA_FLUX, 1.0)], "dynamic", "exact"))
-    with pytest.raises(AssertionError) as ei:  # conftest.PromptFailed
+    with pytest.raises(AssertionError) as ei:  # testkit.comfyui.server.PromptFailed
         assets.wait(pid)
     assert getattr(ei.value, "kind", None) == "execution_error", str(ei.value)
     data = ei.value.data

@@ -67,8 +67,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("cfg", lc.CANDIDATES, ids=lambda c: c.label().replace(" ", "_"))
 def test_every_candidate_is_correct(cfg):
-    from test_lora_linear import check as check_lora, check_not_wrong, make as make_lora
-    from test_linear_gelu_tanh import check as check_gelu, make as make_gelu
+    from testkit.linear_gelu_checks import check as check_gelu, make as make_gelu
+    from testkit.lora_linear_checks import check as check_lora, check_not_wrong, make as make_lora
 
     from comfyui_lora_runtime.kernels.linear_gelu_tanh import linear_gelu_tanh
     from comfyui_lora_runtime.kernels.lora_linear import lora_linear

@@ -8,9 +8,9 @@ import torch
 from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_eager, lora_linear_torch
 from comfyui_lora_runtime.kernels.lora_linear_cublas import cached_bytes, lora_linear_kconcat
-from test_lora_linear import ADAPTERS, check_not_wrong, make, truth64
 from testkit.compare import MulCounter
 from testkit.fixtures import assert_lossless  # contracts.md s.1 against the eager chain
+from testkit.lora_linear_checks import ADAPTERS, check_not_wrong, make, truth64
 
 BACKENDS = ["delta_first", "kconcat_cached", "kconcat_rebuilt"]
 

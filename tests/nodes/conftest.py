@@ -12,7 +12,7 @@ def models_dir(tmp_path):
     """A loras + diffusion_models folder with the reference tiny Wan and a few adapters."""
     ref_file("tiny_wan_d128_l2.safetensors")
     from testkit.fixtures import write_kohya, write_peft
-    from comfyui_lora_runtime.host.bundled.wan21 import load_wan_checkpoint
+    from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint
 
     (tmp_path / "diffusion_models").mkdir()
     (tmp_path / "loras" / "sub").mkdir(parents=True)
@@ -42,7 +42,7 @@ def models_dir(tmp_path):
 
 @pytest.fixture
 def folders(models_dir, tmp_path):
-    from comfyui_lora_runtime.host.bundled import folder_paths
+    from comfyui_lora_runtime.standalone.host import folder_paths
     f = folder_paths.ModelFolders(models_dir=models_dir, output_dir=tmp_path / "out")
     with folder_paths.activated(f):
         yield f
@@ -50,5 +50,5 @@ def folders(models_dir, tmp_path):
 
 @pytest.fixture
 def base(folders):
-    from comfyui_lora_runtime.host.bundled.core_nodes import UNETLoader
+    from comfyui_lora_runtime.standalone.host.core_nodes import UNETLoader
     return UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
-from comfyui_lora_runtime.host.bundled.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt, validate_prompt
 from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
@@ -191,7 +191,7 @@ def test_a_layers_strength_is_one_factor_under_scalings_rules(base, tier):
     0.5 multiplies nothing, as strength 1 does; strength 0.8 x 0.5 multiplies as strength 0.4 does (once in
     exact), with the same bits.
     A block factor applied as a factor of its own would add a multiply (the wrong answer)."""
-    from comfyui_lora_runtime.host.bundled import folder_paths
+    from comfyui_lora_runtime.standalone.host import folder_paths
     from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
     from comfyui_lora_runtime.lora_runtime.block_filter import parse_blocks
     from testkit.compare import MulCounter

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-from comfyui_lora_runtime.host.bundled.clip import BundledCLIP, TinyClipTextModel
-from comfyui_lora_runtime.host.bundled.core_nodes import CLIPLoader, CLIPTextEncode
+from comfyui_lora_runtime.standalone.host.clip import BundledCLIP, TinyClipTextModel
+from comfyui_lora_runtime.standalone.host.core_nodes import CLIPLoader, CLIPTextEncode
 from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 from comfyui_lora_runtime.nodes import intent, report
 from comfyui_lora_runtime.nodes.clip_node import LoadLoraAdapterModelClip
@@ -171,7 +171,7 @@ def test_clips_stack_on_clones_and_the_bundled_loader_and_encoder_run_it(base, l
     clip0 = _clip()
     (models_dir / "text_encoders").mkdir(exist_ok=True)
     save_file(clip0.cond_stage_model.state_dict(), str(models_dir / "text_encoders" / "tiny_clip.safetensors"))
-    from comfyui_lora_runtime.host.bundled import folder_paths
+    from comfyui_lora_runtime.standalone.host import folder_paths
     with folder_paths.activated(folder_paths.ModelFolders(models_dir=models_dir, output_dir=models_dir / "out")):
         clip = CLIPLoader().load_clip("tiny_clip.safetensors", "stable_diffusion")[0]
     assert torch.equal(clip.encode(PROMPT)[0][0], clip0.encode(PROMPT)[0][0])
@@ -199,7 +199,7 @@ class CaptureCond:
 
 
 def test_a_bundled_host_graph_loads_the_clip_applies_the_file_and_encodes(folders, models_dir, loras):
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
     from testkit.nodes_helpers import CLASSES
     clip = _clip()
     (models_dir / "text_encoders").mkdir(exist_ok=True)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from comfyui_lora_runtime.host.bundled import progress
+from comfyui_lora_runtime.standalone.host import progress
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled import progress
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
-from comfyui_lora_runtime.host.bundled.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
+from comfyui_lora_runtime.standalone.host import progress
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
+from comfyui_lora_runtime.standalone.host.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
                                                         validate_prompt)
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
@@ -19,7 +19,7 @@ from testkit.nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  
 
 
 def test_no_adapter_equals_ksampler_bit_for_bit(base):
-    from comfyui_lora_runtime.host.bundled.core_nodes import KSampler
+    from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
     ours, rep = _sample(base)
     pos, neg = CondPos().go("pos")[0], CondPos().go("neg")[0]
     ref = KSampler().sample(base, 42, 3, 5.0, "euler", "simple", pos, neg,
@@ -90,7 +90,7 @@ def test_restore_on_interrupt_and_on_error(base, monkeypatch):
     w1 = _weights(base)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert runtime_leftovers(base.model.diffusion_model) == []
-    from comfyui_lora_runtime import host as host_mod
+    from comfyui_lora_runtime.nodes import host as host_mod
 
     def boom(*a, **k):
         raise RuntimeError("sampler exploded")
@@ -165,7 +165,7 @@ def test_an_adapter_for_another_model_fails_when_its_node_runs(folders):
 
 
 def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypatch):
-    from comfyui_lora_runtime.host.bundled.core_nodes import UNET_DTYPE_ENV
+    from comfyui_lora_runtime.standalone.host.core_nodes import UNET_DTYPE_ENV
     monkeypatch.setenv(UNET_DTYPE_ENV, "bf16")
     base = UNETLoader().load_unet("tiny_wan.safetensors", "default")[0]
     assert base.model.diffusion_model.blocks[0].ffn[0].weight.dtype == torch.bfloat16

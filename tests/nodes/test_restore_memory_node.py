@@ -41,7 +41,7 @@ def test_lean_record_is_smaller_than_the_copy(base):
     _sample(m_copy)
     lean, copy = lifecycle.last_report(m_lean), lifecycle.last_report(m_copy)
     # the embedded style adapter is a strong update on a tiny model (about a quarter of the elements
-    # cross a rounding boundary); typical adapters keep ~1 % (tests/runtime/test_merge.py)
+    # cross a rounding boundary); typical adapters keep ~1 % (tests/lora_runtime/layer/test_merge.py)
     assert lean["restore_memory"] == "lean" and 0 < lean["restore_bytes"] < copy["restore_bytes"] / 2
 
 

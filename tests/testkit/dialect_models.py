@@ -437,7 +437,7 @@ def TinyHunyuanVideo15(**kw):
 
 MODELS = {"Flux": TinyFlux, "Flux 2": TinyFlux2, "Qwen-Image": TinyQwenImage, "LTX-Video": TinyLTXVideo,
           "Wan": TinyWan}
-# Families added with ComfyUI's key maps (tests/runtime/test_dialect_families.py): kept apart because
+# Families added with ComfyUI's key maps (tests/lora_runtime/files/test_dialect_families.py): kept apart because
 # Chroma's files carry Flux's dialect labels and HunyuanVideo has no bare parameter, which the
 # per-family checks over MODELS assume
 MORE_MODELS = {"Chroma": TinyChroma, "Z-Image": TinyZImage, "HunyuanVideo": TinyHunyuanVideo,

@@ -3,6 +3,7 @@ tests import (0 skips outside the CUDA tests and the opt-in suite), installing n
 reinstalls torch, the registry icon and the template folder are in the repo, and the
 README's commands are the ones CI runs."""
 import ast
+import fnmatch
 import json
 import re
 import tomllib
@@ -67,8 +68,8 @@ def test_registry_icon_and_comfyui_versions():
 
 
 def test_example_workflows_are_the_ui_workflows_with_a_thumbnail_each():
-    api = sorted(p.name[:-len(".api.json")] for p in (ROOT / "api_workflows").glob("*.api.json"))
-    ex = ROOT / "example_workflows"
+    api = sorted(p.name[:-len(".api.json")] for p in (ROOT / "workflows" / "api").glob("*.api.json"))
+    ex = ROOT / "workflows"
     assert sorted(p.stem for p in ex.glob("*.json")) == api
     for name in api:
         saved = json.loads((ex / f"{name}.json").read_text())
@@ -89,9 +90,9 @@ def comfyui_template_listing(pack: Path) -> list[str]:
 
 def test_the_template_browser_lists_each_example_workflow_once():
     listed = comfyui_template_listing(ROOT)
-    examples = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
-    assert sorted(listed) == examples, "a template folder other than example_workflows/ holds .json files " \
-                                       "(API-format files belong in api_workflows/)"
+    examples = sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
+    assert sorted(listed) == examples, "a template folder other than workflows/ holds .json files " \
+                                       "(API-format files belong in workflows/api/)"
     assert len(set(listed)) == len(listed)
 
 
@@ -103,6 +104,67 @@ def test_the_template_listing_sees_a_json_in_a_scanned_folder(tmp_path):
     (tmp_path / "workflows" / "a.json").write_text("{}")
     (tmp_path / "workflows" / "a.api.json").write_text("{}")
     assert sorted(comfyui_template_listing(tmp_path)) == ["a", "a", "a.api"]
+
+
+def test_the_api_prompts_in_workflows_api_are_not_templates(tmp_path):
+    """ComfyUI lists <pack>/<folder>/*.json, not a subfolder's: the API files in workflows/api/
+    stay out of the template browser while the editor workflows beside them are listed."""
+    (tmp_path / "workflows" / "api").mkdir(parents=True)
+    (tmp_path / "workflows" / "a.json").write_text("{}")
+    (tmp_path / "workflows" / "api" / "a.api.json").write_text("{}")
+    assert comfyui_template_listing(tmp_path) == ["a"]
+    api = sorted((ROOT / "workflows" / "api").glob("*.api.json"))
+    assert api and not [n for n in comfyui_template_listing(ROOT) if n.endswith(".api")], api
+
+
+# What the ComfyUI registry archive leaves out (.comfyignore), and what it must keep: ComfyUI
+# imports __init__.py -> nodes/ -> lora_runtime/, kernels/; serves web/ and workflows/; the demo
+# nodes and the embedded_* workflows use standalone/ (docs/layout.md).
+REGISTRY_KEEPS = ("__init__.py", "nodes/", "lora_runtime/", "kernels/", "web/", "workflows/", "standalone/",
+                  "standalone/models/", "requirements.txt", "pyproject.toml", "README.md", "LICENSE")
+REGISTRY_DROPS = ("tests/", "bench/", "tools/", ".ci/")
+
+
+def test_the_registry_archive_keeps_what_comfyui_loads_and_drops_the_rest():
+    patterns = [l.strip() for l in (ROOT / ".comfyignore").read_text().splitlines()
+                if l.strip() and not l.lstrip().startswith("#")]
+    # plain top-level folders only, so this prefix match is exactly the registry's gitwildmatch
+    assert all(re.fullmatch(r"\.?[a-z_]+/", p) for p in patterns), patterns
+    ignored = lambda path: any(path.startswith(p) for p in patterns)  # noqa: E731
+    assert not [k for k in REGISTRY_KEEPS if ignored(k)], patterns
+    assert all(ignored(d) for d in REGISTRY_DROPS), patterns
+    for keep in REGISTRY_KEEPS:
+        assert (ROOT / keep).exists(), keep
+
+
+def test_the_wheel_lists_every_package_and_carries_the_data_the_pack_reads():
+    setup = PYPROJECT["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = {"comfyui_lora_runtime"} | {
+        "comfyui_lora_runtime." + ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("nodes", "lora_runtime", "kernels", "standalone") for init in (ROOT / top).rglob("__init__.py")}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
+    data = setup["package-data"]["comfyui_lora_runtime"]
+    for needed in ("web/**/*", "workflows/**/*", "standalone/models/**/*", "kernels/tuned/*.json"):
+        assert needed in data, needed
+        assert list(ROOT.glob(needed)), f"{needed} matches no file"
+    from comfyui_lora_runtime.standalone import embedded
+    assert all(p.is_relative_to(ROOT / "standalone" / "models") and p.is_file() for p in embedded.COMMITTED)
+
+
+# The top level: what ComfyUI needs, one home for what runs without it, docs/bench/tools (docs/layout.md).
+ROOT_DIRS = {"nodes", "kernels", "lora_runtime", "web", "workflows", "tests", "standalone", "docs", "bench", "tools"}
+ROOT_FILES = {"__init__.py", "__main__.py", "README.md", "LICENSE", "pyproject.toml", "requirements.txt"}
+
+
+def test_the_root_holds_only_the_documented_entries():
+    ignored = [l.strip().rstrip("/") for l in (ROOT / ".gitignore").read_text().splitlines() if l.strip()]
+    entries = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")
+               and not any(fnmatch.fnmatch(p.name, pat) for pat in ignored)}
+    assert entries <= ROOT_DIRS | ROOT_FILES, sorted(entries - ROOT_DIRS - ROOT_FILES)
+    assert ROOT_DIRS <= entries and len(ROOT_DIRS) <= 10
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    assert all(f"`{d}/`" in layout for d in ROOT_DIRS), "docs/layout.md names every top-level folder"
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { fullReport, tree } from "./_harness.mjs";
+import { fullReport, tree } from "../testkit/web/harness.mjs";
 
 const fmt = await import(tree().format);
 

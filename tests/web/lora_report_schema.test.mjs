@@ -7,8 +7,8 @@ import { dirname, join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { fullReport, tree } from "./_harness.mjs";
-import { loadSchema, validate } from "./_schema.mjs";
+import { fullReport, tree } from "../testkit/web/harness.mjs";
+import { loadSchema, validate } from "../testkit/web/schema.mjs";
 
 const fmt = await import(tree().format);
 const schema = loadSchema();

@@ -1,5 +1,5 @@
 // Smoke + behaviour test of web/lora_runtime.js against stub ComfyUI modules
-// (see _harness.mjs): it must parse as an ES module, register the extension,
+// (see tests/testkit/web/harness.mjs): it must parse as an ES module, register the extension,
 // and keep/render/hide the report without ever throwing or logging.
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
@@ -8,7 +8,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, test } from "node:test";
 
-import { WEB_DIR, addVueNode, fullReport, installFakeDocument, makeNodeClass, tree } from "./_harness.mjs";
+import { WEB_DIR, addVueNode, fullReport, installFakeDocument, makeNodeClass, tree } from "../testkit/web/harness.mjs";
 
 const urls = tree();
 installFakeDocument();

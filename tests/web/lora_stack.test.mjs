@@ -1,5 +1,5 @@
 // The LoRA Stack editor rows (web/lora_stack.js) against stub ComfyUI modules (see
-// _harness.mjs): rows added, edited and removed through ComfyUI's own widgets, the
+// tests/testkit/web/harness.mjs): rows added, edited and removed through ComfyUI's own widgets, the
 // JSON written into the node's `rows` input (the one serialized value), rows rebuilt
 // from a saved workflow, a text that is not a list left visible; never a throw or a log.
 import assert from "node:assert/strict";
@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 import { afterEach, beforeEach, test } from "node:test";
 
-import { installFakeDocument, tree } from "./_harness.mjs";
+import { installFakeDocument, tree } from "../testkit/web/harness.mjs";
 
 const urls = tree();
 installFakeDocument();

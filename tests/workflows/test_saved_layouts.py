@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.tools import make_workflows as mw
 from comfyui_lora_runtime.tools import workflow_layout as layout
 
 ROOT = Path(__file__).resolve().parents[2]
-UI = ROOT / "example_workflows"
+UI = ROOT / "workflows"
 NAMES = sorted(p.stem for p in UI.glob("*.json"))
 CLASSES = {**CORE_NODE_CLASS_MAPPINGS, **NODE_CLASS_MAPPINGS}
 

@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled.core_nodes import CORE_NODE_CLASS_MAPPINGS
-from comfyui_lora_runtime.host.bundled.workflow_format import detect_format, ui_to_api
+from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
+from comfyui_lora_runtime.standalone.host.workflow_format import detect_format, ui_to_api
 from comfyui_lora_runtime.tools import make_workflows as mw
 
 ROOT = Path(__file__).resolve().parents[2]
-WF = ROOT / "api_workflows"
-UI = ROOT / "example_workflows"
+WF = ROOT / "workflows" / "api"
+UI = ROOT / "workflows"
 
 
 def _stub(class_type, sockets, widgets, outputs):
@@ -67,9 +67,9 @@ def test_stack_workflow_gives_the_chained_loaders_images(tmp_path):
     (one Load LoRA Adapter) does, and not the base model's images (3 steps, 2 images: the graph, not the
     picture, is under test)."""
     import torch
-    from comfyui_lora_runtime.embedded import require_committed_weights
-    from comfyui_lora_runtime.host.bundled import folder_paths
-    from comfyui_lora_runtime.host.bundled.executor import execute_prompt
+    from comfyui_lora_runtime.standalone.embedded import require_committed_weights
+    from comfyui_lora_runtime.standalone.host import folder_paths
+    from comfyui_lora_runtime.standalone.host.executor import execute_prompt
 
     require_committed_weights()
     folders = folder_paths.ModelFolders(output_dir=tmp_path)
