@@ -26,17 +26,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable
 
-import torch
 from torch import nn
 
 from .apply import ApplyReport, LoraInjector, Plan
 from .decision.policy import DecisionCache
+from .layer.base_weight import weight_identity
 from .layer.runtime_context import runtime_context
 from .layer.shared_shrink import group_siblings
 
 log = logging.getLogger(__name__)
 
 _ATTR = "_lora_runtime_kept"
+# States taken off, freed at the next `held` rather than inside `evict`: a host may evict from a
+# callback inside its own loop over loaded models (ComfyUI's free_memory), and objects freed there
+# can run the host's finalizers, which edit the list that loop walks.
+_TAKEN_OFF: list = []
 
 
 @dataclass
@@ -60,7 +64,7 @@ class KeptState:
                 return f"layer {name}: its forward was replaced since"
         for name, (param, ident) in self.weights.items():
             cur = self.injector.wrappers[name].get_base_layer().weight
-            if cur is not param or _identity(cur) != ident:
+            if cur is not param or weight_identity(cur) != ident:
                 return f"layer {name}: its weight was replaced or written since"
         return ""
 
@@ -75,18 +79,12 @@ class KeptState:
             w.on_foreign_call = None
 
 
-def _identity(w: torch.Tensor) -> tuple:
-    plain = type(w) in (torch.Tensor, nn.Parameter)
-    version = None if w.is_inference() else w._version
-    return (w.data_ptr() if plain else None, w.dtype, tuple(w.shape), w.device, version)
-
-
 def _merged_weights(inj: LoraInjector) -> dict:
     out = {}
     for name, w in inj.wrappers.items():
         if w.merged:
             p = w.get_base_layer().weight
-            out[name] = (p, _identity(p))
+            out[name] = (p, weight_identity(p))
     return out
 
 
@@ -101,6 +99,7 @@ def evict(model: nn.Module, why: str) -> bool:
     if state is None:
         return False
     state.disarm()
+    _TAKEN_OFF.append(state)
     t0 = time.perf_counter()
     state.injector.clear()
     log.info("LoRA runtime: adapters taken off (%s) in %.1f ms after %d sampling(s)", why,
@@ -132,6 +131,7 @@ def _set_aside(state: KeptState) -> None:
 
 
 def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None, owner) -> tuple[KeptState, ApplyReport]:
+    _TAKEN_OFF.clear()
     state = kept(model)
     if state is not None:
         why = ("the adapters or their settings changed" if state.key != key else state.intact())

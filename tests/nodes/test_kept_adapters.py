@@ -165,3 +165,20 @@ def test_the_report_text_says_the_adapters_were_kept(base):
     from comfyui_lora_runtime.nodes import report as report_mod
     assert "kept on from the last sampling" in report_mod.text(rep)
     assert lifecycle.last_report(m)["adapters_kept"] is True
+
+
+def test_a_state_taken_off_is_freed_at_the_next_sampling_not_inside_the_hosts_unload(base):
+    """ComfyUI's free_memory walks its loaded-model list while our detach callback runs; freeing the
+    patcher and wrappers there can run its finalizers, which edit that list. So a state taken off
+    lives until our next sampling starts."""
+    import gc
+    import weakref
+    m = _model(base)
+    _sample(m)
+    ref = weakref.ref(resident.kept(base.model.diffusion_model))
+    model_management.unload_all_models()
+    gc.collect()
+    assert resident.kept(base.model.diffusion_model) is None and ref() is not None
+    _sample(m)
+    gc.collect()
+    assert ref() is None
