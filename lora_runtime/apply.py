@@ -159,6 +159,7 @@ class ApplyReport:
     fusions: list[dict] = field(default_factory=list)
     params: list[dict] = field(default_factory=list)   # parameter deltas merged (norms, modulation)
     mounted: object = field(default=None, repr=False)   # the mounted fusion sites while applied
+    kept: bool = False   # resumed from the state the last sampling left on (lora_runtime.resident)
 
     def to_dict(self) -> dict:
         return {
@@ -173,6 +174,7 @@ class ApplyReport:
             "patch_seconds": round(self.patch_seconds, 4),
             "fusions": self.mounted.report() if self.mounted is not None else self.fusions,
             "params": self.params,
+            "kept": self.kept,
         }
 
 
@@ -209,12 +211,10 @@ class LoraInjector:
         """Restore every merged weight. `remember` (inside `apply` only): each wrapper keeps
         its verified fingerprint for the merge that follows in the same transition."""
         errors = []
-        for pp in self.params.values():
-            try:
-                pp.restore()
-            except Exception as e:  # keep restoring the others
-                errors.append(e)
-        self.params.clear()
+        try:
+            self.restore_params()
+        except Exception as e:  # keep restoring the others
+            errors.append(e)
         for w in self.wrappers.values():
             try:
                 w.unmerge(remember=remember)
@@ -242,17 +242,11 @@ class LoraInjector:
     def _apply(self, p: Plan, cache: DecisionCache, t0: float) -> ApplyReport:
         self.unmerge_all(remember=True)
         wanted: dict[str, list[tuple[PlannedAdapter, LayerAdapter]]] = {}
-        params: dict[str, ParamPatch] = {}
-        named = None
         for pa in p.adapters:
             for target, la in pa.layers.items():
-                if isinstance(la, ParamDelta):
-                    if named is None:
-                        named = dict(self.model.named_parameters())
-                    params.setdefault(target, ParamPatch(target, named[target])).add(
-                        pa.name, la, pa.strength_of(target) if pa.spec.enabled else 0.0)
-                else:
+                if not isinstance(la, ParamDelta):
                     wanted.setdefault(target, []).append((pa, la))
+        params = self.param_patches(p)
         for name in [n for n in self.wrappers if n not in wanted]:
             self._unwrap(name)
         for name, entries in wanted.items():
@@ -271,13 +265,7 @@ class LoraInjector:
             merge = decision.merged_adapters()
             self._merge_all([w for w in wrappers if w.layer_name not in decision.kept_dynamic
                              and merge.intersection(w.slots)], wanted, merge)
-        try:
-            for name, pp in params.items():  # no forward of their own: merged in every mode
-                pp.merge()
-                self.params[name] = pp
-        except BaseException:
-            self.unmerge_all()
-            raise
+        self.merge_params(params)
         # q/k/v: one shrink GEMM (eager lossless/high calls)
         self.sibling_groups = group_siblings(self.wrappers, enabled=self.share_shrink)
         for w in wrappers:  # what a compiled call reads, for the final (merged or dynamic) state
@@ -305,6 +293,43 @@ class LoraInjector:
         )
         return report
 
+    def param_patches(self, p: Plan) -> dict[str, ParamPatch]:
+        """The plan's parameter deltas (norms, modulation, biases of layers without a wrapper), one
+        patch per parameter of the model as it is now; nothing merged yet."""
+        params: dict[str, ParamPatch] = {}
+        named = None
+        for pa in p.adapters:
+            for target, la in pa.layers.items():
+                if isinstance(la, ParamDelta):
+                    if named is None:
+                        named = dict(self.model.named_parameters())
+                    params.setdefault(target, ParamPatch(target, named[target])).add(
+                        pa.name, la, pa.strength_of(target) if pa.spec.enabled else 0.0)
+        return params
+
+    def merge_params(self, params: dict[str, ParamPatch]) -> None:
+        """Merge the parameter deltas (they have no forward of their own: merged in every mode); a
+        failure restores every merged weight."""
+        try:
+            for name, pp in params.items():
+                pp.merge()
+                self.params[name] = pp
+        except BaseException:
+            self.unmerge_all()
+            raise
+
+    def restore_params(self) -> None:
+        """Take the parameter deltas off (bit for bit); the wrappers' merges stay."""
+        errors = []
+        for pp in self.params.values():
+            try:
+                pp.restore()
+            except Exception as e:  # keep restoring the others
+                errors.append(e)
+        self.params.clear()
+        if errors:
+            raise errors[0]
+
     def _merge_all(self, wrappers: list[LoraLinear], wanted, only: set[str] | None = None) -> None:
         done = []
         try:
@@ -331,7 +356,9 @@ def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injec
     bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
     """
     from .fusion.fusion_sites import mount_fusions
+    from .resident import evict
 
+    evict(model, "adapters were applied to this model for one block")  # a kept state comes off first
     inj = injector or LoraInjector(model)
     mounted = None
     try:

@@ -6,16 +6,19 @@ ones), so ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom(Advanced), other p
 samplers and our LoRA Sampler all run the same lifecycle:
 
     OUTER_SAMPLE (ours: plan, check the schedules against the sigmas; the window opens)
-      PREPARE_SAMPLING: ComfyUI's load_models_gpu (its own weight patches applied, object
-               patches and injections in place); then ours: apply (attach / merge / mount
-               fusions) on the device and dtype ComfyUI chose
+      PREPARE_SAMPLING: ComfyUI's load_models_gpu (it detaches the loaded clones of the base:
+               ON_DETACH, where ours keep their adapters only for this very load; its own weight
+               patches applied, object patches and injections in place); then ours: resume the
+               state the last sampling kept, or apply (attach / merge / mount fusions) on the
+               device and dtype ComfyUI chose
       pre_run, condition processing (model layers that run here, such as LTX-2's text
                connectors, run with the adapters)
       SAMPLER_SAMPLE (ours: schedules, the first-call check, the report) -> the sampler's loop
-    ComfyUI: cleanup; ours: restore when the window closes
+    ComfyUI: cleanup; ours: the adapters stay on while the model stays loaded (docs/lifecycle.md,
+    lora_runtime/resident.py); an error or interrupt takes them off
 
 A host path that samples without the OUTER_SAMPLE / PREPARE_SAMPLING hooks gets plan, apply
-and restore around SAMPLER_SAMPLE alone (the lifecycle before this window existed).
+and restore around SAMPLER_SAMPLE alone (nothing kept).
 
 Contract
 - `register(patcher)` is idempotent; clones inherit the wrapper (ComfyUI copies
@@ -23,8 +26,10 @@ Contract
 - The wrapper reads the Intent of the patcher being sampled (``guider.model_patcher``,
   the exact MODEL object the sampler node received). No adapters and the default tier:
   it calls straight through.
-- Every exit restores: merged weights bit for bit, forwards and fusion sites put back,
-  also on error, interrupt or out-of-memory; the error then propagates unchanged.
+- A sampling that ends normally keeps its adapters on the loaded model (`resident.held`); the
+  host's unload (ON_DETACH with unpatch_all), the load of another MODEL on the same weights, a
+  forward outside our samplings, an error, interrupt or out-of-memory take them off bit for bit
+  (forwards and fusion sites put back); an error then propagates unchanged.
 - The report (the dict the LoRA Sampler shows) is stored on the patcher
   (`last_report`), logged, and sent to the frontend for the node that is executing
   (`host.send_report`), so a stock KSampler gets the badge and the LoRA Runtime Report
@@ -38,7 +43,7 @@ import logging
 import time
 
 from . import host
-from ..lora_runtime import applied, compile_watch, plan
+from ..lora_runtime import applied, compile_watch, plan, resident
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
@@ -73,6 +78,7 @@ def register(patcher) -> None:
     compile_watch.install()  # a torch.compile recompile-limit fallback is named on the report
     host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper,
                       outer_sample_wrapper, prepare_sampling_wrapper)
+    host.add_detach_callback(patcher, WRAPPER_KEY, on_detach)
 
 
 def last_report(patcher) -> dict | None:
@@ -128,19 +134,48 @@ class _Window:
     def __init__(self, patcher, want, p):
         self.patcher, self.want, self.plan = patcher, want, p
         self.stack = contextlib.ExitStack()
-        self.dm = None
+        self.dm = patcher.get_model_object("diffusion_model")
+        self.key = kept_key(want, p)
         self.report = None      # the ApplyReport once applied
         self.t0 = None
         self.since = None       # ran_guard.snapshot right after the adapters went on
 
     def apply(self) -> None:
         self.t0 = time.perf_counter()
-        self.dm = self.patcher.get_model_object("diffusion_model")
-        self.report = self.stack.enter_context(applied(self.dm, self.plan, cache=decision_cache_for(self.dm)))
+        self.report = self.stack.enter_context(resident.held(self.dm, self.plan, self.key,
+                                                             decision_cache_for(self.dm), owner=self.patcher))
         self.since = ran_guard.snapshot(_wrappers(self.dm))
 
 
 _WINDOW: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_window", default=None)
+
+
+def kept_key(want, p) -> tuple:
+    """What must be equal for a sampling to resume the adapters the last one left on: the intent
+    (files, strengths, schedules, blocks, mode, tier, restore memory), the content each file had
+    when planned, and the layers the host patches itself."""
+    return (want, tuple((pa.name, pa.adapter.content_hash, tuple(pa.adapter.notes)) for pa in p.adapters),
+            tuple(sorted(p.merge_refusals.items())))
+
+
+def on_detach(patcher, unpatch_all: bool) -> None:
+    """The host detaches a loaded MODEL of ours: on an unload (``unpatch_all``) the adapters kept on
+    its weights come off; on a detach before a load they stay only if the load is this sampling's
+    own, with the same adapters (ComfyUI detaches a loaded model before it loads it again, and
+    every loaded clone of a base before another clone of it loads)."""
+    try:
+        dm = patcher.get_model_object("diffusion_model")
+    except AttributeError:
+        return
+    state = resident.kept(dm)
+    if state is None:
+        return
+    if unpatch_all:
+        resident.evict(dm, "the host unloaded the model")
+        return
+    window = _WINDOW.get()
+    if window is None or window.dm is not dm or window.key != state.key:
+        resident.evict(dm, "another MODEL on the same weights is being loaded")
 
 
 def outer_sample_wrapper(executor, *args, **kwargs):

@@ -51,6 +51,7 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
                     "skipped": len(skipped), "skip_reasons": sorted({f.get("skipped", "") for f in skipped})},
         "params": d.get("params", []),
         "patch_seconds": d["patch_seconds"],
+        **({"adapters_kept": True} if d.get("kept") else {}),
         "restore_bytes": d["restore_bytes"],
         "restore_memory": d.get("restore_memory", "lean"),
         "sample_seconds": round(sample_seconds, 4),
@@ -120,7 +121,8 @@ def text(r: dict) -> str:
         lines.append(f"  torch.compile compiled {r['compile']['graphs_compiled']} graph(s) during this sampling")
     if (r.get("compile") or {}).get("message"):
         lines.append(f"  {r['compile']['message']}")
-    lines.append(f"  patch {r['patch_seconds']:.3f} s, {r['seconds_per_step']:.3f} s/step")
+    kept = " (kept on from the last sampling)" if r.get("adapters_kept") else ""
+    lines.append(f"  patch {r['patch_seconds']:.3f} s{kept}, {r['seconds_per_step']:.3f} s/step")
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@
   which fails for a checkout whose folder name is no identifier (``git clone`` names it
   ``comfyui-lora-runtime``). The root holds no test fixtures, so its setup is skipped;
   the tests import the pack as the installed package ``comfyui_lora_runtime``.
+- Each test ends with the bundled host's models unloaded (it keeps them loaded between
+  samplings, as ComfyUI does).
 """
 import os
 import sys
@@ -34,3 +36,13 @@ def pytest_collection_modifyitems(session, config, items):
             if isinstance(node, pytest.Package) and Path(node.path).resolve() == ROOT:
                 node.setup = lambda: None
                 return
+
+
+@pytest.fixture(autouse=True)
+def _bundled_host_unloads_after_each_test():
+    """Like a host restarted between tests: the bundled host keeps models loaded (and our adapters
+    on them) between samplings, so each test ends by unloading whatever it left loaded."""
+    yield
+    mm = sys.modules.get("comfyui_lora_runtime.standalone.host.model_management")
+    if mm is not None:
+        mm.unload_all_models()

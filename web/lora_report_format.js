@@ -369,12 +369,13 @@ export const formatTimings = safe((report) => {
   const total = formatSeconds(r.total_seconds);
   const restore = formatBytes(r.restore_bytes);
   const parts = [];
-  if (patch !== null) parts.push(`patch ${patch}`);
+  if (patch !== null) parts.push(r.adapters_kept === true ? `kept (${patch})` : `patch ${patch}`);
   if (perStep !== null) parts.push(`${perStep < 10 ? perStep.toFixed(2) : perStep.toFixed(1)} s/step`);
   if (!parts.length && sample === null && total === null) return null;
   if (!parts.length) parts.push(`sampling ${sample ?? total}`);
   const title = [
-    patch !== null ? `applying the adapters: ${patch}` : "",
+    patch !== null ? (r.adapters_kept === true ? `adapters kept on from the last sampling (resumed in ${patch})`
+      : `applying the adapters: ${patch}`) : "",
     sample !== null ? `sampling: ${sample}${perStep !== null ? ` (${perStep} s per step)` : ""}` : "",
     total !== null ? `total in the LoRA Sampler: ${total}` : "",
     restore !== null ? `kept to restore the weights: ${restore}` : "",

@@ -160,9 +160,11 @@ class BaseWeight:
     reason: str = ""         # when not writable: why (packed_reason)
 
 
-def _identity(t: torch.Tensor) -> tuple:
+def weight_identity(t: torch.Tensor) -> tuple:
+    """Equal only while nothing replaced `t` or wrote into it through torch (storage, write count,
+    dtype, device, shape; a quantized tensor: those of its stored bytes and scales)."""
     if quant_layout(t) is not None:  # the stored bytes and scales live in the inner tensors
-        return ("quantized", quant_layout(t), *(_identity(v) for v in stored_tensors(t)))
+        return ("quantized", quant_layout(t), *(weight_identity(v) for v in stored_tensors(t)))
     try:
         version = t._version
     except RuntimeError:
@@ -199,8 +201,8 @@ def base_weight(layer: nn.Module) -> BaseWeight:
     if tuple(d.shape) != real_shape(w):
         d = d.reshape(real_shape(w))
     patches = getattr(w, "patches", None) or ()
-    key = ("dequantized", _identity(w), tuple(id(p) for p in patches), tuple(id(f) for f in functions),
-           None if scale is None else _identity(scale))
+    key = ("dequantized", weight_identity(w), tuple(id(p) for p in patches), tuple(id(f) for f in functions),
+           None if scale is None else weight_identity(scale))
     setattr(d, KEY_ATTR, key)
     why = packed_reason(w) or ("weight has weight-function patches" if functions else "weight is scaled (scale_weight)")
     return BaseWeight(d, False, why)

@@ -164,6 +164,9 @@ class LoraLinear(nn.Module):
         self._counts = [0, 0]
         self._cast_patch = None                # (weight fn, bias fn or None) while patched at cast time
         self._cast_cache: dict = {}
+        # set while the adapters are kept on between samplings (lora_runtime.resident): called with the
+        # layer name by a forward outside any runtime context, it takes the kept state off first
+        self.on_foreign_call = None
 
     # --- read-through to the wrapped layer -----------------------------------------
     @property
@@ -201,6 +204,7 @@ class LoraLinear(nn.Module):
         meanwhile, ours stays in its chain as a pass-through (adds nothing)."""
         if not self._attached:
             return
+        self.on_foreign_call = None
         self.unpatch_at_cast()
         layer = self.base_layer
         if layer.__dict__.get("forward") == self.forward:
@@ -527,6 +531,9 @@ class LoraLinear(nn.Module):
 
     # --- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if (self.on_foreign_call is not None and not torch.compiler.is_compiling()
+                and _CURRENT.get() is None):
+            self.on_foreign_call(self.layer_name)  # kept adapters come off before this call reads a weight
         if self._base_call is None:
             y = self.base_layer(x, *args, **kwargs)
         else:

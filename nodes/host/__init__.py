@@ -16,6 +16,8 @@ functions, so node code never cares which host runs it:
   once per model call, whose transformer_options carry that call's ``sigmas`` and
   ``cond_or_uncond`` (strength schedules, branches). Both hosts' patchers have the same
   wrapper API; only the hook names come from the host;
+- `add_detach_callback(model, key, fn)`: ``fn(patcher, unpatch_all)`` when the host detaches that
+  loaded MODEL (an unload, or a load of it or of another clone of its base); clones inherit it;
 - `requant_seed(layer)`: the host's stochastic-rounding seed for a merge into a quantized weight
   (0: round to nearest);
 - `send_report(report)`: a runtime report for the node that is executing (the web
@@ -37,12 +39,12 @@ def _real_comfyui_present() -> bool:
 REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
-    from .comfy_host import (APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .comfy_host import (APPLY_MODEL, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                              apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                              requant_seed, scheduler_names, send_report)
     NAME = "comfyui"
 else:
-    from .bundled_host import (APPLY_MODEL, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .bundled_host import (APPLY_MODEL, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                                apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                                requant_seed, scheduler_names, send_report)
     NAME = "bundled"
@@ -61,3 +63,9 @@ def add_wrappers(model, key: str, sampler_fn, model_call_fn, outer_fn=None, prep
                      (PREPARE_SAMPLING, prepare_fn)):
         if fn is not None and not model.get_wrappers(hook, key):
             model.add_wrapper_with_key(hook, key, fn)
+
+
+def add_detach_callback(model, key: str, fn) -> None:
+    """Register `fn(patcher, unpatch_all)` on the patcher's ON_DETACH callbacks under `key`, once."""
+    if not model.get_callbacks(ON_DETACH, key):
+        model.add_callback_with_key(ON_DETACH, key, fn)

@@ -131,6 +131,9 @@ PREPARE_SAMPLING = comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING
 # Per model call: BaseModel.apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw),
 # with transformer_options["sigmas"] and ["cond_or_uncond"] set by the sampler for that call.
 APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
+# ModelPatcher.detach(unpatch_all) callback: an unload (True), or load_models_gpu detaching a loaded
+# clone of a base before it loads that base's patcher again or another clone of it (False)
+ON_DETACH = comfy.patcher_extension.CallbacksMP.ON_DETACH
 
 
 REPORT_EVENT = "lora_runtime.report"

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from . import folder_paths
+from . import folder_paths, model_management
 # the weight dtype: a per-run option (options.using, execute_prompt(unet_dtype=...)),
 # $LORA_RUNTIME_UNET_DTYPE only its default; re-exported here
 from .options import UNET_DTYPE_ENV, unet_dtype  # noqa: F401
@@ -234,7 +234,7 @@ def sample_with_progress(model: BundledModelPatcher, *, seed, steps, cfg, sample
     guider = Guider(model)
 
     def prepare(patcher, noise_shape, conds, model_options=None):
-        return None  # the bundled host keeps its model loaded on the CPU: nothing to load or patch
+        model_management.load_models_gpu([patcher])  # ComfyUI's load order (on the CPU: nothing moves)
 
     def outer(noise, latent_image, sampler, sigmas, denoise_mask, cb, disable_pbar, seed):
         run_wrapped(prepare, None, model.get_all_wrappers(PREPARE_SAMPLING), model, None,

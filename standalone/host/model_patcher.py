@@ -11,7 +11,9 @@ keeps that shape with only what the pack uses:
 - `BundledModelPatcher`: `.model`, `.model_options` (with
   "transformer_options"), `.clone()`, `add_object_patch`, `get_model_object`,
   `is_clone`, and ComfyUI's wrapper registry (`add_wrapper_with_key`,
-  `get_wrappers`, `remove_wrappers_with_key`, copied on clone like ComfyUI's).
+  `get_wrappers`, `remove_wrappers_with_key`, copied on clone like ComfyUI's), its callback
+  registry (`add_callback_with_key`, `get_callbacks`, `get_all_callbacks`) and `detach(unpatch_all)`,
+  which runs the ON_DETACH callbacks (`model_management` loads and unloads as ComfyUI does).
 - `run_wrapped(original, class_obj, wrappers, *args)`: ComfyUI's WrapperExecutor
   semantics (the first wrapper is the outermost; each calls ``executor(*args)``).
 """
@@ -30,6 +32,7 @@ SAMPLER_SAMPLE = "sampler_sample"  # comfy.patcher_extension.WrappersMP.SAMPLER_
 OUTER_SAMPLE = "outer_sample"      # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (the whole sampling)
 PREPARE_SAMPLING = "prepare_sampling"  # comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING (model load)
 APPLY_MODEL = "apply_model"        # comfy.patcher_extension.WrappersMP.APPLY_MODEL (once per model call)
+ON_DETACH = "on_detach_after"      # comfy.patcher_extension.CallbacksMP.ON_DETACH: fn(patcher, unpatch_all)
 
 
 class WrapperExecutor:
@@ -108,6 +111,7 @@ class BundledModelPatcher:
         self.model_options: dict[str, Any] = {"transformer_options": {}}
         self.object_patches: dict[str, Any] = {}
         self.wrappers: dict[str, dict[str, list]] = {}
+        self.callbacks: dict[str, dict[str, list]] = {}
         self.parent: BundledModelPatcher | None = None
 
     def __repr__(self) -> str:
@@ -121,6 +125,7 @@ class BundledModelPatcher:
         n.model_options = copy.deepcopy(self.model_options)
         n.object_patches = dict(self.object_patches)
         n.wrappers = {t: {k: list(v) for k, v in keyed.items()} for t, keyed in self.wrappers.items()}
+        n.callbacks = {t: {k: list(v) for k, v in keyed.items()} for t, keyed in self.callbacks.items()}
         n.parent = self
         return n
 
@@ -136,6 +141,21 @@ class BundledModelPatcher:
 
     def get_all_wrappers(self, wrapper_type: str) -> list:
         return [w for keyed in self.wrappers.get(wrapper_type, {}).values() for w in keyed]
+
+    # ComfyUI's callback registry
+    def add_callback_with_key(self, call_type: str, key: str, callback) -> None:
+        self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
+
+    def get_callbacks(self, call_type: str, key: str) -> list:
+        return self.callbacks.get(call_type, {}).get(key, [])
+
+    def get_all_callbacks(self, call_type: str) -> list:
+        return [c for keyed in self.callbacks.get(call_type, {}).values() for c in keyed]
+
+    def detach(self, unpatch_all: bool = True) -> None:
+        """ComfyUI's detach: the bundled host patches no weights itself, so only the callbacks run."""
+        for callback in self.get_all_callbacks(ON_DETACH):
+            callback(self, unpatch_all)
 
     def is_clone(self, other: Any) -> bool:
         return getattr(other, "model", None) is self.model

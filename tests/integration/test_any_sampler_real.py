@@ -391,3 +391,46 @@ def test_report_node_and_event_for_a_stock_ksampler(assets, cond_class, mode):
     i_ev = types.index(("lora_runtime.report", "6"))
     i_rep = types.index(("executing", "90"))
     assert i_ks < i_ev < i_rep, types
+
+
+# ---------------------------------------------------------------------------
+# 6. re-runs: the adapters stay on while the model stays loaded
+# ---------------------------------------------------------------------------
+def _ours_prompt(cond_class, strength, mode):
+    p = Prompt(cond_class)
+    p.ksampler("6", p.ours(["1", 0], [(LORA_A, strength)], mode, "exact"))
+    return p
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "merge"])
+def test_a_rerun_keeps_the_adapters_and_another_model_or_an_unload_takes_them_off(assets, cond_class, no_adapter,
+                                                                                 fresh, mode):
+    """The same graph queued again (our nodes cached, a new latent tag makes the sampler run): the
+    adapters the first run left on are resumed (the report says so) with the same bits; a bare
+    KSampler on the base between two runs sees the file's weights; a changed strength takes the old
+    adapter fully off; unload_all_models leaves the weights of a fresh load."""
+    weight_state(assets)                                                      # unloaded: nothing kept yet
+    rec1, out1 = run(assets, _ours_prompt(cond_class, 0.8, mode))
+    assert_changed(out1["6"], no_adapter, f"{mode}: first run")
+    (first,) = reports_sent(rec1)
+    assert not first["report"].get("adapters_kept"), first["report"]
+    rec2, out2 = run(assets, _ours_prompt(cond_class, 0.8, mode))
+    assert {"11", "20", "21"} <= set(rec2["cached"]), rec2["cached"]          # the very same MODEL object
+    (again,) = reports_sent(rec2)
+    assert again["report"].get("adapters_kept") is True, again["report"]
+    assert_bitwise(out2["6"], out1["6"], f"{mode}: a re-run on the kept adapters vs the first run")
+
+    p = Prompt(cond_class)
+    p.ksampler("6", ["1", 0])
+    _, bare = run(assets, p)                                                  # another MODEL on the same weights
+    assert_bitwise(bare["6"], no_adapter, f"{mode}: a bare KSampler after our run")
+    rec3, out3 = run(assets, _ours_prompt(cond_class, 0.8, mode))
+    (third,) = reports_sent(rec3)
+    assert not third["report"].get("adapters_kept"), third["report"]          # applied anew after the bare run
+    assert_bitwise(out3["6"], out1["6"], f"{mode}: ours after the bare run vs the first run")
+
+    _, changed = run(assets, _ours_prompt(cond_class, -0.4, mode))           # the strength changed
+    assert_weights_fresh(assets, fresh, f"{mode}: after re-runs")
+    _, alone = run(assets, _ours_prompt(cond_class, -0.4, mode))             # -0.4 on freshly unloaded weights
+    assert_bitwise(changed["6"], alone["6"], f"{mode}: -0.4 after 0.8 vs -0.4 alone")
+    assert_weights_fresh(assets, fresh, f"{mode}: after the changed strength")

@@ -15,7 +15,7 @@ from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler
 
 from testkit.bad_adapter_files import EXPECTED, write_bad_files
-from testkit.nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights  # noqa: F401
+from testkit.nodes_helpers import CLASSES, Capture, CondPos, _sample, _weights, _unloaded_weights  # noqa: F401
 
 
 def test_no_adapter_equals_ksampler_bit_for_bit(base):
@@ -179,7 +179,7 @@ def test_auto_on_bf16_weights_keeps_a_sub_ulp_adapter_dynamic(folders, monkeypat
     s = LoadLoraAdapter().load(base, "style.safetensors", 1.0)["result"][0]
     _, rep_s = _sample(s)
     assert rep_s["decision"]["chosen"] == "merge" and rep_s["decision"]["share_lost"] < 0.5
-    w1 = _weights(base)
+    w1 = _unloaded_weights(base)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 

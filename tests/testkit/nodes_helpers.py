@@ -45,6 +45,14 @@ def _weights(patcher):
     return {k: v.detach().clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
 
 
+def _unloaded_weights(patcher):
+    """The weights once the host unloaded the model: our adapters stay on a loaded model between
+    samplings, as the host's own patches do, and come off when it unloads the model."""
+    from comfyui_lora_runtime.standalone.host import model_management
+    model_management.unload_all_models()
+    return _weights(patcher)
+
+
 def _sample(model, seed=42, steps=3):
     latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
     pos = CondPos().go("pos")[0]

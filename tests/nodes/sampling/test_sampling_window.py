@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from comfyui_lora_runtime.standalone.host.model_patcher import PREPARE_SAMPLING
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode
 from testkit.fixtures import write_kohya
-from testkit.nodes_helpers import _sample, _weights
+from testkit.nodes_helpers import _sample, _unloaded_weights, _weights
 
 ALPHA, R = 4.0, 4
 
@@ -39,6 +39,8 @@ def test_a_layer_run_while_conditions_are_prepared_carries_its_adapter(base, fol
         m = LoadLoraAdapter().load(_probe_model(base, seen), "text_embedding.safetensors", 1.0)["result"][0]
         _, rep = _sample(LoraMergeMode().set_mode(m, mode)[0], steps=2)
         (x, y), = seen
+        w1 = _unloaded_weights(base)                                # off again once the host unloads it
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), mode
         with torch.no_grad():
             base_out = F.linear(x, lin.weight, lin.bias)
             ref = base_out + (ALPHA / R) * F.linear(F.linear(x, down), up)
@@ -50,5 +52,3 @@ def test_a_layer_run_while_conditions_are_prepared_carries_its_adapter(base, fol
         bound = (0.5 * eps_w + 2 * n * eps32) * F.linear(x.abs(), (lin.weight.float() + (ALPHA / R) * up @ down).abs())
         assert ((y - ref).abs() <= bound).all(), (mode, float((y - ref).abs().max()))
         assert "ran_check" not in rep, rep.get("ran_check")         # it ran (before the first model call)
-        w1 = _weights(base)
-        assert all(torch.equal(w0[k], w1[k]) for k in w0), mode    # off again when the sampling ended

@@ -18,6 +18,7 @@ from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 
 from testkit.nodes_helpers import CondPos, _weights
+from comfyui_lora_runtime.standalone.host import model_management
 
 STEPS, SEED, CFG = 6, 42, 5.0
 
@@ -186,6 +187,7 @@ def test_a_two_call_sampler_maps_each_call_by_its_sigma(base):
         return (dm if i // 2 < k else bare)(x, t, c)
 
     def heun_reference(pick):
+        model_management.unload_all_models()  # the references run on the pristine weights
         dm = base.model.diffusion_model
         bare = copy.deepcopy(dm)
         p = plan(dm, [AdapterSpec(folder_paths.get_full_path_or_raise("loras", "style.safetensors"), 0.8,

@@ -1,0 +1,183 @@
+"""Adapters kept on a model between samplings, taken off exactly when anything else runs it.
+
+A host that keeps a model loaded between samplings (ComfyUI) keeps its own patches in the
+weights until it unloads the model or loads another patcher of the same weights. `held` gives
+our adapters the same life:
+
+- ``with held(model, p, key, cache) as report``: if the model holds a kept state with an equal
+  `key` whose merged weights nobody replaced or wrote since, that state is resumed (no merge, no
+  measurement; ``report.kept`` is True); else any kept state comes off bit for bit and `p` is
+  applied. Inside: parameter deltas merged, fusion sites mounted, the runtime context entered,
+  as with `applied`.
+- normal exit: the wrappers and their merged weights stay (the kept state); parameter deltas,
+  fusion sites and cast-time patches come off, and every wrapper is armed: the next forward of an
+  adapted layer outside a runtime context takes the whole state off before it reads a weight, so
+  a sampling of another MODEL on the same weights sees them as the file has them.
+- exit by an error or an interrupt: everything comes off (the weights as the file has them),
+  then the error propagates.
+- `evict(model, why)` takes a kept state off (the host's unload, another MODEL's load); `kept(model)`
+  is the state or None. `applied` evicts first, so a one-block application never meets a kept one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Hashable
+
+from torch import nn
+
+from .apply import ApplyReport, LoraInjector, Plan
+from .decision.policy import DecisionCache
+from .layer.base_weight import weight_identity
+from .layer.runtime_context import runtime_context
+from .layer.shared_shrink import group_siblings
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_lora_runtime_kept"
+# States taken off, freed at the next `held` rather than inside `evict`: a host may evict from a
+# callback inside its own loop over loaded models (ComfyUI's free_memory), and objects freed there
+# can run the host's finalizers, which edit the list that loop walks.
+_TAKEN_OFF: list = []
+
+
+@dataclass
+class KeptState:
+    """What stays on a model between samplings."""
+
+    model: nn.Module = field(repr=False)
+    key: Hashable = field(repr=False)
+    plan: Plan = field(repr=False)
+    injector: LoraInjector = field(repr=False)
+    report: ApplyReport = field(repr=False)
+    owner: Any = field(default=None, repr=False)                # a host handle kept alive while the state is (ComfyUI: the patcher)
+    weights: dict = field(default_factory=dict, repr=False)   # layer -> (Parameter, identity) of each merged weight
+    samplings: int = 0                # samplings that ran on this state
+
+    def intact(self) -> str:
+        """'' when every wrapper is attached and every merged weight is the tensor the merge left
+        (same Parameter, storage and in-place write count); else what changed."""
+        for name, w in self.injector.wrappers.items():
+            if not w._attached or w.base_layer.__dict__.get("forward") != w.forward:
+                return f"layer {name}: its forward was replaced since"
+        for name, (param, ident) in self.weights.items():
+            cur = self.injector.wrappers[name].get_base_layer().weight
+            if cur is not param or weight_identity(cur) != ident:
+                return f"layer {name}: its weight was replaced or written since"
+        return ""
+
+    def arm(self) -> None:
+        def foreign(layer: str) -> None:
+            evict(self.model, f"layer {layer} ran outside a sampling that carries these adapters")
+        for w in self.injector.wrappers.values():
+            w.on_foreign_call = foreign
+
+    def disarm(self) -> None:
+        for w in self.injector.wrappers.values():
+            w.on_foreign_call = None
+
+
+def _merged_weights(inj: LoraInjector) -> dict:
+    out = {}
+    for name, w in inj.wrappers.items():
+        if w.merged:
+            p = w.get_base_layer().weight
+            out[name] = (p, weight_identity(p))
+    return out
+
+
+def kept(model: nn.Module) -> KeptState | None:
+    return model.__dict__.get(_ATTR)
+
+
+def evict(model: nn.Module, why: str) -> bool:
+    """Take the kept state off `model` bit for bit (every merged weight restored, every wrapper
+    removed); False when there was none."""
+    state = model.__dict__.pop(_ATTR, None)
+    if state is None:
+        return False
+    state.disarm()
+    _TAKEN_OFF.append(state)
+    t0 = time.perf_counter()
+    state.injector.clear()
+    log.info("LoRA runtime: adapters taken off (%s) in %.1f ms after %d sampling(s)", why,
+             (time.perf_counter() - t0) * 1e3, state.samplings)
+    return True
+
+
+def _resume(state: KeptState) -> ApplyReport:
+    """Put the per-sampling parts back on a kept state: parameter deltas merged again, and the q/k/v
+    groups regrouped (their partners are learned from the first calls, as after a fresh apply, so a
+    resumed sampling computes the same bits as the first one)."""
+    t0 = time.perf_counter()
+    inj = state.injector
+    inj.merge_params(inj.param_patches(state.plan))
+    inj.sibling_groups = group_siblings(inj.wrappers, enabled=inj.share_shrink)
+    for w in inj.wrappers.values():
+        w.prepare_trace()
+    return replace(state.report, patch_seconds=time.perf_counter() - t0, kept=True, mounted=None, fusions=[])
+
+
+def _set_aside(state: KeptState) -> None:
+    """The end of a sampling that went well: the per-sampling parts come off, the rest stays armed."""
+    inj = state.injector
+    for w in inj.wrappers.values():
+        w.unpatch_at_cast()
+    inj.restore_params()
+    state.samplings += 1
+    state.arm()
+
+
+def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None, owner) -> tuple[KeptState, ApplyReport]:
+    _TAKEN_OFF.clear()
+    state = kept(model)
+    if state is not None:
+        why = ("the adapters or their settings changed" if state.key != key else state.intact())
+        if not why:
+            state.disarm()
+            state.owner = owner
+            return state, _resume(state)
+        evict(model, why)
+    inj = LoraInjector(model)
+    try:
+        report = inj.apply(p, cache)
+    except BaseException:
+        inj.clear()
+        raise
+    state = KeptState(model, key, p, inj, report, owner, _merged_weights(inj))
+    model.__dict__[_ATTR] = state
+    return state, report
+
+
+@contextlib.contextmanager
+def held(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None = None, *, owner=None,
+         fusion_backend: str | None = "auto"):
+    """`applied` for a model the host keeps loaded: see the module docstring."""
+    from .fusion.fusion_sites import mount_fusions
+
+    state, report = _take(model, p, key, cache, owner)
+    mounted = None
+    ok = False
+    try:
+        if fusion_backend is not None:
+            mounted = report.mounted = mount_fusions(model, p.tier, fusion_backend)
+        with runtime_context(tier=p.tier):
+            yield report
+        ok = True
+    finally:
+        try:
+            if mounted is not None:
+                report.fusions = mounted.report()
+                report.mounted = None
+                mounted.unmount()
+        finally:
+            if ok and kept(model) is state:
+                try:
+                    _set_aside(state)
+                except BaseException:
+                    evict(model, "setting the adapters aside after the sampling failed")
+                    raise
+            else:
+                evict(model, "the sampling ended with an error or an interrupt")
