@@ -15,8 +15,10 @@ our adapters the same life:
   a sampling of another MODEL on the same weights sees them as the file has them.
 - exit by an error or an interrupt: everything comes off (the weights as the file has them),
   then the error propagates.
-- `evict(model, why)` takes a kept state off (the host's unload, another MODEL's load); `kept(model)`
-  is the state or None. `applied` evicts first, so a one-block application never meets a kept one.
+- `evict(model, why)` takes a kept state off (the host's unload, another MODEL's load), under
+  inference mode (the host's weights may be inference tensors); a failure raises RestoreError and
+  every later `held` on that model refuses it with the same message. `kept(model)` is the state or
+  None. `applied` evicts first, so a one-block application never meets a kept one.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable
 
+import torch
 from torch import nn
 
 from .apply import ApplyReport, LoraInjector, Plan
 from .decision.policy import DecisionCache
+from .errors import RestoreError
 from .layer.base_weight import weight_identity
 from .layer.runtime_context import runtime_context
 from .layer.shared_shrink import group_siblings
@@ -37,6 +41,7 @@ from .layer.shared_shrink import group_siblings
 log = logging.getLogger(__name__)
 
 _ATTR = "_lora_runtime_kept"
+_FAILED_ATTR = "_lora_runtime_restore_failed"   # why the last evict failed: every later `held` refuses the model
 # States taken off, freed at the next `held` rather than inside `evict`: a host may evict from a
 # callback inside its own loop over loaded models (ComfyUI's free_memory), and objects freed there
 # can run the host's finalizers, which edit the list that loop walks.
@@ -101,7 +106,17 @@ def evict(model: nn.Module, why: str) -> bool:
     state.disarm()
     _TAKEN_OFF.append(state)
     t0 = time.perf_counter()
-    state.injector.clear()
+    try:
+        # a host may hold its weights as inference tensors (ComfyUI loads and samples under
+        # inference mode) and unload outside it: in-place restores are allowed only inside
+        with torch.inference_mode():
+            state.injector.clear()
+    except Exception as e:
+        msg = (f"taking the LoRA adapters off this model failed ({why}): {type(e).__name__}: {e}. Its weights may "
+               "still hold part of them: free the model and node cache (ComfyUI: Unload Models and Free model and "
+               "node cache) so the checkpoint loads again")
+        model.__dict__[_FAILED_ATTR] = msg
+        raise RestoreError(msg) from e
     log.info("LoRA runtime: adapters taken off (%s) in %.1f ms after %d sampling(s)", why,
              (time.perf_counter() - t0) * 1e3, state.samplings)
     return True
@@ -132,6 +147,9 @@ def _set_aside(state: KeptState) -> None:
 
 def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None, owner) -> tuple[KeptState, ApplyReport]:
     _TAKEN_OFF.clear()
+    failed = model.__dict__.get(_FAILED_ATTR)
+    if failed:
+        raise RestoreError(failed)
     state = kept(model)
     if state is not None:
         why = ("the adapters or their settings changed" if state.key != key else state.intact())

@@ -44,6 +44,7 @@ import time
 
 from . import host
 from ..lora_runtime import applied, compile_watch, plan, resident
+from ..lora_runtime.errors import LoraRuntimeError
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
@@ -170,12 +171,17 @@ def on_detach(patcher, unpatch_all: bool) -> None:
     state = resident.kept(dm)
     if state is None:
         return
-    if unpatch_all:
-        resident.evict(dm, "the host unloaded the model")
-        return
     window = _WINDOW.get()
-    if window is None or window.dm is not dm or window.key != state.key:
-        resident.evict(dm, "another MODEL on the same weights is being loaded")
+    if unpatch_all:
+        why = "the host unloaded the model"
+    elif window is None or window.dm is not dm or window.key != state.key:
+        why = "another MODEL on the same weights is being loaded"
+    else:
+        return
+    try:
+        resident.evict(dm, why)
+    except LoraRuntimeError as e:  # never into the host's unload loop: the next sampling of this model says it
+        log.error("LoRA runtime: %s", e)
 
 
 def outer_sample_wrapper(executor, *args, **kwargs):

@@ -182,3 +182,33 @@ def test_a_state_taken_off_is_freed_at_the_next_sampling_not_inside_the_hosts_un
     _sample(m)
     gc.collect()
     assert ref() is None
+
+
+def test_weights_held_as_inference_tensors_come_off_when_the_host_unloads_outside_inference_mode(base):
+    """ComfyUI loads and samples under inference mode (its weights can be inference tensors) and
+    unloads from its worker loop outside it: the restore must still write them back."""
+    dm = base.model.diffusion_model
+    with torch.inference_mode():
+        for p in dm.parameters():
+            p.data = p.data.clone()      # an inference tensor now
+    w0 = _weights(base)
+    assert dm.blocks[0].self_attn.q.weight.is_inference()
+    m = _model(base)
+    with torch.inference_mode():
+        _sample(m)
+    model_management.unload_all_models()
+    assert _pristine(base, w0)
+
+
+def test_a_failed_take_off_is_said_on_the_next_sampling_of_that_model(base, monkeypatch):
+    from comfyui_lora_runtime.lora_runtime import LoraInjector, RestoreError
+    m = _model(base)
+    _sample(m)
+
+    def broken(self):
+        raise RuntimeError("simulated restore failure")
+    monkeypatch.setattr(LoraInjector, "clear", broken)
+    model_management.unload_all_models()           # the host's unload: logged, never raised into its loop
+    monkeypatch.undo()
+    with pytest.raises(RestoreError, match="simulated restore failure.*free the model and node cache"):
+        _sample(m)
