@@ -35,8 +35,8 @@ times are CPU seconds of the worker at ``--threads 1`` (robust to other processe
 machine; wall seconds are printed beside them) and the best (least disturbed) step per arm.
 Because the arms share one model, ComfyUI re-patches its LoRA on every sampling that follows another
 arm (what switching workflows costs: "setup, later samplings"); the same arm sampled twice in a row
-shows the setup without a switch ("same arm again": ComfyUI keeps its patched weights, ours merges
-and restores on every sampling).
+shows the setup without a switch ("same arm again": ComfyUI keeps its patched weights, and so do ours
+since adapters stay on a loaded model, docs/lifecycle.md; ``bench_rerun.py`` measures re-runs per arm).
 
 Checks: every arm's latent differs from the base's (the adapters are applied), every arm gives the
 same latent in every sampling (so the base too after the others ran: the weights were restored).
@@ -84,9 +84,10 @@ def comfyui_python(comfy_dir: Path, given: str | None) -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def run_worker(python: str, comfy_dir: Path, cfg: dict) -> dict:
-    """This file under ComfyUI's python (cwd = the checkout); its last stdout line is the JSON result."""
-    cmd = [python, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+def run_worker(python: str, comfy_dir: Path, cfg: dict, script: str | None = None) -> dict:
+    """`script` (default this file) ``--worker CFG`` under ComfyUI's python (cwd = the checkout); its
+    last stdout line is the JSON result."""
+    cmd = [python, str(Path(script or __file__).resolve()), "--worker", json.dumps(cfg)]
     p = subprocess.Popen(cmd, cwd=str(comfy_dir), stdout=subprocess.PIPE, stderr=None, text=True)
     lines = []
     for line in p.stdout:
@@ -94,7 +95,7 @@ def run_worker(python: str, comfy_dir: Path, cfg: dict) -> dict:
         if not line.startswith("{"):
             print(line, end="", flush=True)
     if p.wait() != 0:
-        raise SystemExit(f"worker for {cfg['format']} failed (rc {p.returncode})")
+        raise SystemExit(f"worker for {cfg.get('format') or cfg.get('form')} failed (rc {p.returncode})")
     return json.loads([ln for ln in lines if ln.startswith("{")][-1])
 
 
@@ -215,7 +216,11 @@ def launcher(args) -> None:
 # ---------------------------------------------------------------------------
 # worker side: runs under ComfyUI's python, cwd = the ComfyUI checkout
 # ---------------------------------------------------------------------------
-def worker(cfg: dict) -> None:
+def start_worker(cfg: dict, extra_nodes: tuple[str, ...] = ()) -> dict:
+    """A worker's start under ComfyUI's python (cwd = the checkout): CPU mode, ``cfg["threads"]``
+    torch threads, the LoRAs folder (and ``cfg["folders"]``, kind -> folder) registered, the pack (``cfg["pack"]``) and each folder of
+    `extra_nodes` (another custom node pack, e.g. ComfyUI-GGUF) imported with ComfyUI's
+    ``nodes.load_custom_node``. Returns ComfyUI's NODE_CLASS_MAPPINGS."""
     comfy_dir = os.getcwd()
     sys.path.insert(0, comfy_dir)
     sys.path.insert(1, str(HERE))
@@ -226,26 +231,81 @@ def worker(cfg: dict) -> None:
     import torch
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    import comfy.model_management
-    import comfy.sample
-    import comfy.sd
+    import comfy.model_management  # noqa: F401
     import folder_paths
     import nodes
-    from _timing import interleaved_rounds, load_string
+    import server  # noqa: F401  main.py imports it before any prompt runs; else the pack's first report
+    #                (host.send_report imports it) would put ~1 s of aiohttp imports into a measured sampling
 
-    load_before = load_string()
     folder_paths.add_model_folder_path("loras", cfg["loras"], is_default=True)
+    for kind, folder in (cfg.get("folders") or {}).items():  # before the packs load (ComfyUI-GGUF reads them)
+        folder_paths.add_model_folder_path(kind, folder, is_default=True)
     custom = Path(cfg["tmp"]) / "custom_nodes"
     custom.mkdir(exist_ok=True)
     link = custom / "comfyui-lora-runtime"
     if not link.exists():
         link.symlink_to(cfg["pack"], target_is_directory=True)
-    if not asyncio.run(nodes.load_custom_node(str(link))):
-        raise SystemExit("the pack did not load as a custom node")
+    for folder in (link, *extra_nodes):
+        if not asyncio.run(nodes.load_custom_node(str(folder))):
+            raise SystemExit(f"{folder} did not load as a custom node")
     N = nodes.NODE_CLASS_MAPPINGS
     for need in ("LoraRuntimeLoadAdapter", "LoraRuntimeMergeMode", "LoraRuntimeReport", "LoraLoaderModelOnly"):
         assert need in N, need
+    return N
 
+
+class TimedSampler:
+    """``comfy.sample.sample`` (what KSampler calls: euler / simple, seed 42, ``cfg["cfg"]``,
+    ``cfg["steps"]`` steps) of one-frame latent ``cfg["latent"]`` px with a fixed random text
+    context of ``cfg["text_tokens"]`` tokens, timed: the callback KSampler passes marks the end of
+    each step's model call; a forward pre-hook on `dm` (the diffusion model every MODEL shares)
+    marks the start of each model call. ``sample(model)`` -> (latent, record): ``walls`` / ``cpus``
+    the intervals between consecutive callbacks (wall / process CPU seconds: step 2 on, nothing
+    but the model calls and the sampler's update), ``setup`` / ``setup_cpu`` the rest of the
+    sampling (before the first model call and after the last callback: the host's load and
+    patch, our apply / resume, cleanup), ``total`` the whole sampling (wall)."""
+
+    def __init__(self, base, dm, cfg: dict):
+        import comfy.sample
+        import torch
+        self.sample_fn = comfy.sample.sample
+        lw, lh = cfg["latent"]
+        latent = torch.zeros([1, 16, 1, lh // 8, lw // 8])  # EmptyHunyuanLatentVideo(lw, lh, length 1)
+        self.latent = comfy.sample.fix_empty_latent_channels(base, latent)
+        self.noise = comfy.sample.prepare_noise(self.latent, SEED)
+        g = torch.Generator().manual_seed(1)
+        self.positive = [[torch.randn(1, cfg["text_tokens"], TEXT_DIM, generator=g), {}]]
+        self.negative = [[torch.zeros(1, cfg["text_tokens"], TEXT_DIM), {}]]
+        self.steps, self.cfg = cfg["steps"], cfg["cfg"]
+        self.calls = []  # (wall, process CPU) at the start of each model call
+        dm.register_forward_pre_hook(lambda mod, inp: self.calls.append((time.perf_counter(), time.process_time())))
+
+    def sample(self, model, name: str = ""):
+        marks = []  # (wall, process CPU) at each step's callback: the end of that step's model call
+        self.calls.clear()
+
+        def cb(step, x0, x, total):
+            marks.append((time.perf_counter(), time.process_time()))
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = self.sample_fn(model, self.noise, self.steps, self.cfg, "euler", "simple", self.positive,
+                             self.negative, self.latent, denoise=1.0, callback=cb, disable_pbar=True, seed=SEED)
+        t1, c1 = time.perf_counter(), time.process_time()
+        assert len(marks) == self.steps and len(self.calls) >= self.steps, (name, len(marks), len(self.calls))
+        calls = self.calls
+        return out, {"walls": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
+                     "cpus": [b[1] - a[1] for a, b in zip(marks, marks[1:])], "total": t1 - t0,
+                     "setup": (calls[0][0] - t0) + (t1 - marks[-1][0]),
+                     "setup_cpu": (calls[0][1] - c0) + (c1 - marks[-1][1])}
+
+
+def worker(cfg: dict) -> None:
+    N = start_worker(cfg)
+    import comfy.sd
+    import torch
+    from _timing import interleaved_rounds, load_string
+
+    load_before = load_string()
     t0 = time.perf_counter()
     base = comfy.sd.load_diffusion_model(cfg["model"])
     log(f"{cfg['format']}: load_diffusion_model {time.perf_counter() - t0:.1f} s "
@@ -267,40 +327,17 @@ def worker(cfg: dict) -> None:
     models = {"base": base, "comfy1": comfy_lora(1), "comfy4": comfy_lora(4), "dyn1": ours(1, "dynamic"),
               "dyn4": ours(4, "dynamic"), "auto1": ours(1, "auto")}
 
-    lw, lh = cfg["latent"]
-    latent = torch.zeros([1, 16, 1, lh // 8, lw // 8])  # EmptyHunyuanLatentVideo(lw, lh, length 1)
-    latent = comfy.sample.fix_empty_latent_channels(base, latent)
-    noise = comfy.sample.prepare_noise(latent, SEED)
-    g = torch.Generator().manual_seed(1)
-    positive = [[torch.randn(1, cfg["text_tokens"], TEXT_DIM, generator=g), {}]]
-    negative = [[torch.zeros(1, cfg["text_tokens"], TEXT_DIM), {}]]
-    steps = cfg["steps"]
     records = {n: [] for n in models}   # per sampling: (total s, per-step s, setup s)
     outputs = {n: [] for n in models}
-
-    calls = []  # (wall, process CPU) at the start of each model call: a pre-hook on the shared diffusion model
-    base.model.diffusion_model.register_forward_pre_hook(
-        lambda mod, inp: calls.append((time.perf_counter(), time.process_time())))
+    timed = TimedSampler(base, base.model.diffusion_model, cfg)
 
     def sample(name):
-        marks = []  # (wall, process CPU) at each step's callback: the end of that step's model call
-        calls.clear()
-
-        def cb(step, x0, x, total):
-            marks.append((time.perf_counter(), time.process_time()))
-
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = comfy.sample.sample(models[name], noise, steps, cfg["cfg"], "euler", "simple", positive, negative,
-                                  latent, denoise=1.0, callback=cb, disable_pbar=True, seed=SEED)
-        t1, c1 = time.perf_counter(), time.process_time()
-        assert len(marks) == steps and len(calls) >= steps, (name, len(marks), len(calls))
-        walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
-        cpus = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+        out, r = timed.sample(models[name], name)
         # setup: before the first model call starts and after the last step's callback (load, patch, attach /
         # merge, restore, ComfyUI's cleanup)
-        records[name].append({"wall": statistics.mean(walls), "cpu": statistics.mean(cpus), "cpu_best": min(cpus),
-                              "total": t1 - t0, "setup": (calls[0][0] - t0) + (t1 - marks[-1][0]),
-                              "setup_cpu": (calls[0][1] - c0) + (c1 - marks[-1][1])})
+        records[name].append({"wall": statistics.mean(r["walls"]), "cpu": statistics.mean(r["cpus"]),
+                              "cpu_best": min(r["cpus"]), "total": r["total"], "setup": r["setup"],
+                              "setup_cpu": r["setup_cpu"]})
         outputs[name].append(out)
         return out
 
@@ -322,8 +359,8 @@ def worker(cfg: dict) -> None:
     # whole-sampling times (what interleaved_rounds returns) hold the re-patches; the step times are in records
     interleaved_rounds({n: (lambda n=n: sample(n)) for n in models}, "cpu", refs=("base",), warmup=0,
                        repeats=cfg["rounds"], progress=progress)
-    # the same arm sampled twice in a row: ComfyUI keeps its patched weights loaded (no re-patch), ours merges
-    # and restores on every sampling
+    # the same arm sampled twice in a row: ComfyUI keeps its patched weights loaded (no re-patch), ours its kept
+    # adapters (docs/lifecycle.md)
     again = {}
     for n in ("comfy1", "comfy4", "auto1"):
         sample(n)

@@ -5,8 +5,8 @@ Opt-in twice: besides ComfyUI (``COMFYUI_DIR``), it needs a ComfyUI-GGUF checkou
 ``gguf`` package in ComfyUI's python; it skips naming what is missing. A second server runs with
 this pack, the test-only helper nodes and ComfyUI-GGUF in its custom_nodes.
 
-The reference tiny Wan (bf16) is converted at test time with the ``gguf`` package (this file's
-own converter: 2-D weights as F16, BF16 or Q8_0; everything else F32; a 5-D kernel stored 2-D
+The reference tiny Wan (bf16) is converted at test time with the ``gguf`` package
+(``testkit.gguf_files``: 2-D weights as F16, BF16 or Q8_0; everything else F32; a 5-D kernel stored 2-D
 with ComfyUI-GGUF's ``comfy.gguf.orig_shape`` field) and loaded by ``UnetLoaderGGUF``. Per type,
 one prompt samples (KSampler, euler/simple, 3 steps, CFG 1, seed 42):
 
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit.gguf_files import write_gguf
 from testkit.lora_assets import MODEL, PromptGraph, psnr, write_kohya_lora, write_variant_file
 
 STRENGTH = 0.8
@@ -52,36 +53,6 @@ _counter = itertools.count()
 #   Q8_0: auto / dynamic 149.3-149.4 dB
 # update types (exact): 144-149 dB dynamic on BF16 / Q8_0, 84-95 dB on F16; merge F16 122 dB-bitwise, BF16 69-77 dB;
 #   DoRA [out, 1] 21.9 dB (the ||W|| convention, asserted away)
-
-# run with ComfyUI's python: convert a safetensors model to GGUF with the gguf package
-CONVERT_SOURCE = r'''
-import sys
-import gguf
-import numpy as np
-import torch
-from safetensors.torch import load_file
-
-src, dst, qtype = sys.argv[1:4]
-Q = gguf.GGMLQuantizationType
-w = gguf.GGUFWriter(dst, arch="wan")
-for name, t in load_file(src).items():
-    a = t.float().numpy()
-    if a.ndim > 4:  # GGUF holds at most 4 dims: store 2-D, the real shape in ComfyUI-GGUF's field
-        w.add_array(f"comfy.gguf.orig_shape.{name}", [int(s) for s in a.shape])
-        a = a.reshape(a.shape[0], -1)
-    if t.dim() != 2 or a.size < 1024:
-        w.add_tensor(name, a.astype(np.float32))
-    elif qtype == "F16":
-        w.add_tensor(name, a.astype(np.float16))
-    else:
-        qt = Q[qtype]
-        w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
-w.write_header_to_file()
-w.write_kv_data_to_file()
-w.write_tensors_to_file()
-w.close()
-'''
-
 
 def _gguf_dir(comfy) -> Path:
     env = os.environ.get("COMFYUI_GGUF_DIR")
@@ -111,10 +82,7 @@ def gguf_comfy(comfy, reference, tmp_path_factory):
     (cn / comfy.helper_pack_name).symlink_to(comfy.custom_nodes_dir / comfy.helper_pack_name, target_is_directory=True)
     (cn / "ComfyUI-GGUF").symlink_to(src.resolve(), target_is_directory=True)
     for q in QTYPES:
-        r = subprocess.run([comfy.python, "-c", CONVERT_SOURCE, str(reference / MODEL),
-                            str(base / "models" / "diffusion_models" / f"tiny_wan_{q}.gguf"), q],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, f"conversion to {q} failed:\n{r.stderr[-3000:]}"
+        write_gguf(comfy.python, reference / MODEL, base / "models" / "diffusion_models" / f"tiny_wan_{q}.gguf", q)
     loras = base / "models" / "loras"
     write_kohya_lora(loras / "it_gguf" / "lora.safetensors", seed=2301, rank=8, alpha=4.0)
     for i, kind in enumerate(KINDS):

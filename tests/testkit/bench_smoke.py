@@ -7,8 +7,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_smoke(script: str, cwd: Path = ROOT) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke"],
+def run_smoke(script: str, cwd: Path = ROOT, args: tuple[str, ...] = ()) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", *args],
                           capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
