@@ -8,7 +8,7 @@ model between samplings (docs/lifecycle.md), next to ComfyUI's own LoRA, per bas
 Base forms (real ComfyUI 0.33+, on the CPU; one worker process per form, ComfyUI's own python,
 ``bench_quantized_comfy.start_worker`` / ``TimedSampler``):
 
-- ``bf16``: the random Wan 2.1 T2V at Wan-1.3B dims (``bench_quantized_comfy.write_model``), loaded
+- ``bf16``: the random Wan 2.1 T2V at Wan-1.3B dims (``testkit.random_wan.write_random_wan``), loaded
   with ``comfy.sd.load_diffusion_model`` (ComfyUI stores it in fp32 on the CPU);
 - ``gguf_q8_0``: the same weights as a GGUF Q8_0 file (``testkit.gguf_files``, the ``gguf`` package),
   loaded by ComfyUI-GGUF's ``UnetLoaderGGUF`` (``--gguf-dir``, a checkout of city96/ComfyUI-GGUF);
@@ -59,8 +59,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_quantized_comfy import (SEED, TEXT_DIM, block_linears, comfyui_python, log, run_worker,  # noqa: E402
-                                   write_model)
+sys.path.insert(1, str(REPO / "tests"))
+from bench_quantized_comfy import SEED, TEXT_DIM, comfyui_python, log, run_worker  # noqa: E402
+from testkit.random_wan import block_linears, write_random_wan  # noqa: E402
 
 FORMS = ("bf16", "gguf_q8_0", "fp8")
 FP8 = "float8_e4m3fn"
@@ -241,7 +242,7 @@ def write_assets(tmp: Path, a, forms, comfy_dir: Path | None, python: str | None
         have = {"settings": want, "files": {}}
         dm = tmp / "diffusion_models"
         dm.mkdir(parents=True, exist_ok=True)
-        write_model(dm / SRC_NAME, dim, ffn, a.blocks)
+        write_random_wan(dm / SRC_NAME, dim, ffn, a.blocks)
         for i in range(4):
             write_kohya_lora(tmp / "loras" / f"bench_r{a.rank}_{i}.safetensors", seed=7000 + i, rank=a.rank,
                              alpha=float(a.rank), up_scale=a.up_scale, modules=linears)
@@ -352,9 +353,9 @@ def bundled(cfg: dict) -> dict:
     import torch
 
     from _timing import load_string
-    from comfyui_lora_runtime.host.bundled import folder_paths, options
-    from comfyui_lora_runtime.host.bundled.core_nodes import KSampler, UNETLoader
-    from comfyui_lora_runtime.host.bundled.model_management import unload_all_models
+    from comfyui_lora_runtime.standalone.host import folder_paths, options
+    from comfyui_lora_runtime.standalone.host.core_nodes import KSampler, UNETLoader
+    from comfyui_lora_runtime.standalone.host.model_management import unload_all_models
     from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraRuntimeReport
 
     if cfg["threads"]:
