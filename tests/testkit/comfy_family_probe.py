@@ -50,7 +50,7 @@ import nodes as comfy_nodes  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import comfyui_lora_runtime as pack  # noqa: E402
-from comfyui_lora_runtime import host  # noqa: E402
+from comfyui_lora_runtime.nodes import host  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.files.key_formats import split_key  # noqa: E402
 from comfyui_lora_runtime.nodes import lifecycle  # noqa: E402
