@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from .apply import ApplyReport, LoraInjector, Plan
 from .decision.policy import DecisionCache
-from .errors import RestoreError
+from .errors import LoraRuntimeError, RestoreError
 from .layer.base_weight import weight_identity
 from .layer.runtime_context import runtime_context
 from .layer.shared_shrink import group_siblings
@@ -42,10 +43,6 @@ log = logging.getLogger(__name__)
 
 _ATTR = "_lora_runtime_kept"
 _FAILED_ATTR = "_lora_runtime_restore_failed"   # why the last evict failed: every later `held` refuses the model
-# States taken off, freed at the next `held` rather than inside `evict`: a host may evict from a
-# callback inside its own loop over loaded models (ComfyUI's free_memory), and objects freed there
-# can run the host's finalizers, which edit the list that loop walks.
-_TAKEN_OFF: list = []
 
 
 @dataclass
@@ -57,7 +54,10 @@ class KeptState:
     plan: Plan = field(repr=False)
     injector: LoraInjector = field(repr=False)
     report: ApplyReport = field(repr=False)
-    owner: Any = field(default=None, repr=False)                # a host handle kept alive while the state is (ComfyUI: the patcher)
+    # the host handle that carries these adapters (ComfyUI: the patcher), held weakly: the state never
+    # keeps a MODEL the host dropped alive, and taking it off never frees a host object (ComfyUI evicts
+    # from inside its loop over loaded models, where a freed patcher runs finalizers that edit that list)
+    owner: Any = field(default=None, repr=False)
     weights: dict = field(default_factory=dict, repr=False)   # layer -> (Parameter, identity) of each merged weight
     samplings: int = 0                # samplings that ran on this state
 
@@ -72,6 +72,15 @@ class KeptState:
             if cur is not param or weight_identity(cur) != ident:
                 return f"layer {name}: its weight was replaced or written since"
         return ""
+
+    def set_owner(self, owner) -> None:
+        """Carried by `owner` now (None: by nobody); when that owner is freed, the state comes off."""
+        if self.owner is not None:
+            self.owner.detach()
+            self.owner = None
+        if owner is not None:
+            self.owner = weakref.finalize(owner, _owner_freed, weakref.ref(self.model), weakref.ref(self))
+            self.owner.atexit = False
 
     def arm(self) -> None:
         def foreign(layer: str) -> None:
@@ -93,6 +102,17 @@ def _merged_weights(inj: LoraInjector) -> dict:
     return out
 
 
+def _owner_freed(model_ref, state_ref) -> None:
+    """The host freed the MODEL that carried a kept state (ComfyUI dropped it from its caches)."""
+    model, state = model_ref(), state_ref()
+    if model is None or state is None or kept(model) is not state:
+        return
+    try:
+        evict(model, "the MODEL that carried these adapters was freed")
+    except LoraRuntimeError as e:  # a finalizer must not raise; the next sampling of the model says it
+        log.error("LoRA runtime: %s", e)
+
+
 def kept(model: nn.Module) -> KeptState | None:
     return model.__dict__.get(_ATTR)
 
@@ -104,7 +124,7 @@ def evict(model: nn.Module, why: str) -> bool:
     if state is None:
         return False
     state.disarm()
-    _TAKEN_OFF.append(state)
+    state.set_owner(None)
     t0 = time.perf_counter()
     try:
         # a host may hold its weights as inference tensors (ComfyUI loads and samples under
@@ -146,7 +166,6 @@ def _set_aside(state: KeptState) -> None:
 
 
 def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None, owner) -> tuple[KeptState, ApplyReport]:
-    _TAKEN_OFF.clear()
     failed = model.__dict__.get(_FAILED_ATTR)
     if failed:
         raise RestoreError(failed)
@@ -155,7 +174,7 @@ def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None,
         why = ("the adapters or their settings changed" if state.key != key else state.intact())
         if not why:
             state.disarm()
-            state.owner = owner
+            state.set_owner(owner)
             return state, _resume(state)
         evict(model, why)
     inj = LoraInjector(model)
@@ -164,7 +183,8 @@ def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None,
     except BaseException:
         inj.clear()
         raise
-    state = KeptState(model, key, p, inj, report, owner, _merged_weights(inj))
+    state = KeptState(model, key, p, inj, report, None, _merged_weights(inj))
+    state.set_owner(owner)
     model.__dict__[_ATTR] = state
     return state, report
 

@@ -167,21 +167,23 @@ def test_the_report_text_says_the_adapters_were_kept(base):
     assert lifecycle.last_report(m)["adapters_kept"] is True
 
 
-def test_a_state_taken_off_is_freed_at_the_next_sampling_not_inside_the_hosts_unload(base):
-    """ComfyUI's free_memory walks its loaded-model list while our detach callback runs; freeing the
-    patcher and wrappers there can run its finalizers, which edit that list. So a state taken off
-    lives until our next sampling starts."""
+def test_the_kept_state_holds_its_model_weakly_and_comes_off_when_the_host_frees_it(base):
+    """ComfyUI's free_memory walks its loaded-model list while our detach callback runs: freeing a
+    patcher there runs its finalizers, which edit that list. So a kept state never holds the MODEL
+    (taking it off frees no host object), and a MODEL the host drops takes its adapters off."""
     import gc
-    import weakref
+    import sys
+    w0 = _weights(base)
     m = _model(base)
     _sample(m)
-    ref = weakref.ref(resident.kept(base.model.diffusion_model))
+    refs = sys.getrefcount(m)
     model_management.unload_all_models()
-    gc.collect()
-    assert resident.kept(base.model.diffusion_model) is None and ref() is not None
+    assert sys.getrefcount(m) == refs                      # taking the state off released no reference to it
     _sample(m)
+    assert resident.kept(base.model.diffusion_model) is not None
+    del m
     gc.collect()
-    assert ref() is None
+    assert resident.kept(base.model.diffusion_model) is None and _pristine(base, w0)
 
 
 def test_weights_held_as_inference_tensors_come_off_when_the_host_unloads_outside_inference_mode(base):
