@@ -6,10 +6,7 @@ from safetensors.torch import load_file
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.nodes.lora_nodes import LoraSampler
-
-from pathlib import Path
-
-from testkit.refdata import REF  # noqa: E402
+from testkit.refdata import REF
 
 
 class CondPos:
