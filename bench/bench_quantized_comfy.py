@@ -84,6 +84,23 @@ def comfyui_python(comfy_dir: Path, given: str | None) -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+def lora_chains(N, base, names, strength):
+    """(comfy_lora(k), ours(k, mode)): the first k LoRAs chained on `base` by ComfyUI's LoraLoaderModelOnly,
+    or by our Load LoRA Adapter nodes followed by LoRA Merge Mode `mode` (N: the worker's node classes)."""
+    def comfy_lora(k):
+        m = base
+        for name in names[:k]:
+            m = N["LoraLoaderModelOnly"]().load_lora_model_only(m, name, strength)[0]
+        return m
+
+    def ours(k, mode):
+        m = base
+        for name in names[:k]:
+            m = N["LoraRuntimeLoadAdapter"]().load(m, name, strength)["result"][0]
+        return N["LoraRuntimeMergeMode"]().set_mode(m, mode)[0]
+    return comfy_lora, ours
+
+
 def run_worker(python: str, comfy_dir: Path, cfg: dict, script: str | None = None) -> dict:
     """`script` (default this file) ``--worker CFG`` under ComfyUI's python (cwd = the checkout); its
     last stdout line is the JSON result."""
@@ -312,18 +329,7 @@ def worker(cfg: dict) -> None:
         f"({type(base.model).__name__}, dtype {base.model.get_dtype()}, manual_cast {base.model.manual_cast_dtype})")
     strength, names = cfg["strength"], cfg["lora_names"]
 
-    def comfy_lora(k):
-        m = base
-        for name in names[:k]:
-            m = N["LoraLoaderModelOnly"]().load_lora_model_only(m, name, strength)[0]
-        return m
-
-    def ours(k, mode):
-        m = base
-        for name in names[:k]:
-            m = N["LoraRuntimeLoadAdapter"]().load(m, name, strength)["result"][0]
-        return N["LoraRuntimeMergeMode"]().set_mode(m, mode)[0]
-
+    comfy_lora, ours = lora_chains(N, base, names, strength)
     models = {"base": base, "comfy1": comfy_lora(1), "comfy4": comfy_lora(4), "dyn1": ours(1, "dynamic"),
               "dyn4": ours(4, "dynamic"), "auto1": ours(1, "auto")}
 

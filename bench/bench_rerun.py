@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO / "tests"))
-from bench_quantized_comfy import SEED, TEXT_DIM, comfyui_python, log, run_worker  # noqa: E402
+from bench_quantized_comfy import SEED, TEXT_DIM, comfyui_python, log, lora_chains, run_worker  # noqa: E402
 from testkit.random_wan import block_linears, write_random_wan  # noqa: E402
 
 FORMS = ("bf16", "gguf_q8_0", "fp8")
@@ -435,18 +435,7 @@ def worker(cfg: dict) -> None:
     log(f"{form}: loaded in {time.perf_counter() - t0:.1f} s: {note}")
     names, strength = cfg["lora_names"], cfg["strength"]
 
-    def comfy_lora(k):
-        m = base
-        for name in names[:k]:
-            m = N["LoraLoaderModelOnly"]().load_lora_model_only(m, name, strength)[0]
-        return m
-
-    def ours(k, mode):
-        m = base
-        for name in names[:k]:
-            m = N["LoraRuntimeLoadAdapter"]().load(m, name, strength)["result"][0]
-        return N["LoraRuntimeMergeMode"]().set_mode(m, mode)[0]
-
+    comfy_lora, ours = lora_chains(N, base, names, strength)
     models = {"base": base, "comfy1": comfy_lora(1), "comfy4": comfy_lora(4)}
     for n in OURS:
         mode = n.rstrip("14").replace("dyn", "dynamic")

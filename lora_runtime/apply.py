@@ -355,23 +355,33 @@ def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injec
     On exit, also on error or interrupt: fusions unmounted, merged weights restored
     bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
     """
-    from .fusion.fusion_sites import mount_fusions
     from .resident import evict
 
     evict(model, "adapters were applied to this model for one block")  # a kept state comes off first
     inj = injector or LoraInjector(model)
-    mounted = None
     try:
         report = inj.apply(p, cache)
-        if fusion_backend is not None:
-            mounted = report.mounted = mount_fusions(model, p.tier, fusion_backend)
-        with runtime_context(tier=p.tier):
+        with running(model, report, p.tier, fusion_backend):
             yield report
     finally:
-        try:
-            if mounted is not None:
-                report.fusions = mounted.report()
-                report.mounted = None
-                mounted.unmount()
-        finally:
-            inj.clear()
+        inj.clear()
+
+
+@contextlib.contextmanager
+def running(model: nn.Module, report: ApplyReport, tier: Tier, fusion_backend: str | None):
+    """The per-run parts on an applied model: the fusion sites the tier admits mounted (none with
+    ``fusion_backend=None``) and the runtime context entered; on exit the sites are unmounted and
+    what they did is kept in ``report.fusions``."""
+    from .fusion.fusion_sites import mount_fusions
+
+    mounted = None
+    try:
+        if fusion_backend is not None:
+            mounted = report.mounted = mount_fusions(model, tier, fusion_backend)
+        with runtime_context(tier=tier):
+            yield report
+    finally:
+        if mounted is not None:
+            report.fusions = mounted.report()
+            report.mounted = None
+            mounted.unmount()

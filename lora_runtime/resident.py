@@ -32,11 +32,10 @@ from typing import Any, Hashable
 import torch
 from torch import nn
 
-from .apply import ApplyReport, LoraInjector, Plan
+from .apply import ApplyReport, LoraInjector, Plan, running
 from .decision.policy import DecisionCache
 from .errors import LoraRuntimeError, RestoreError
 from .layer.base_weight import weight_identity
-from .layer.runtime_context import runtime_context
 from .layer.shared_shrink import group_siblings
 
 log = logging.getLogger(__name__)
@@ -149,9 +148,7 @@ def _resume(state: KeptState) -> ApplyReport:
     t0 = time.perf_counter()
     inj = state.injector
     inj.merge_params(inj.param_patches(state.plan))
-    inj.sibling_groups = group_siblings(inj.wrappers, enabled=inj.share_shrink)
-    for w in inj.wrappers.values():
-        w.prepare_trace()
+    inj.sibling_groups = group_siblings(inj.wrappers, enabled=inj.share_shrink)  # the trace plans stay valid
     return replace(state.report, patch_seconds=time.perf_counter() - t0, kept=True, mounted=None, fusions=[])
 
 
@@ -193,29 +190,18 @@ def _take(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None,
 def held(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None = None, *, owner=None,
          fusion_backend: str | None = "auto"):
     """`applied` for a model the host keeps loaded: see the module docstring."""
-    from .fusion.fusion_sites import mount_fusions
-
     state, report = _take(model, p, key, cache, owner)
-    mounted = None
     ok = False
     try:
-        if fusion_backend is not None:
-            mounted = report.mounted = mount_fusions(model, p.tier, fusion_backend)
-        with runtime_context(tier=p.tier):
+        with running(model, report, p.tier, fusion_backend):
             yield report
         ok = True
     finally:
-        try:
-            if mounted is not None:
-                report.fusions = mounted.report()
-                report.mounted = None
-                mounted.unmount()
-        finally:
-            if ok and kept(model) is state:
-                try:
-                    _set_aside(state)
-                except BaseException:
-                    evict(model, "setting the adapters aside after the sampling failed")
-                    raise
-            else:
-                evict(model, "the sampling ended with an error or an interrupt")
+        if ok and kept(model) is state:
+            try:
+                _set_aside(state)
+            except BaseException:
+                evict(model, "setting the adapters aside after the sampling failed")
+                raise
+        else:
+            evict(model, "the sampling ended with an error or an interrupt")

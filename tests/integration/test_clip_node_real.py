@@ -8,12 +8,8 @@ downloaded. Runs in ComfyUI's python, in-process (a CLIP cannot travel through /
 without a text-encoder file of the full CLIP-L shape)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
+from testkit.comfyui.probe import run_probe
 
-REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
 import json, os, sys, types
@@ -78,18 +74,8 @@ print("RESULT " + json.dumps(res))
 
 def test_model_clip_node_on_a_comfyui_clip_equals_comfyuis_lora_loader(tmp_path, comfy_checkout):
     comfy, python = comfy_checkout
-    pk = tmp_path / "pk"
-    pk.mkdir()
-    (pk / "comfyui_lora_runtime").symlink_to(REPO)
     (tmp_path / "loras").mkdir()
-    script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(pk)}
-    proc = subprocess.run([python, str(script), str(comfy), str(tmp_path / "loras")], cwd=str(comfy),
-                          env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = run_probe(python, comfy, SCRIPT, [tmp_path / "loras"], tmp_path, timeout=600)[-1]
     assert r["host"] == "comfyui" and r["valid"] is True
     assert "te_clip.safetensors has 4 text-encoder layers (12 tensors) that this CLIP has no place for" in r["error"]
     assert "lora_te_text_model_encoder_layers_5_" in r["error"]

@@ -29,12 +29,10 @@ Chroma native 29/29, diffusers and OneTrainer 37/43 (ComfyUI drops the approxima
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from testkit.comfyui.probe import run_probe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,17 +163,7 @@ COMFY_PARTIAL = {("HunyuanVideo15", "HunyuanVideo musubi-tuner"): (44, 28),
 def results(tmp_path_factory, comfy_checkout):
     comfy, python = comfy_checkout
     work = tmp_path_factory.mktemp("families")
-    pk = work / "pk"
-    pk.mkdir()
-    (pk / "comfyui_lora_runtime").symlink_to(REPO)
-    script = work / "probe.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(pk)}
-    proc = subprocess.run([python, str(script), str(comfy), str(REPO), str(work)], cwd=str(comfy), env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return lines
+    return run_probe(python, comfy, SCRIPT, [REPO, work], work, timeout=900)
 
 
 @pytest.mark.parametrize("kind", ["ZImage", "HunyuanVideo15", "HunyuanVideo", "Chroma"])

@@ -49,12 +49,10 @@ ERNIE-Image are skipped (no such class).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from testkit.comfyui.probe import run_probe
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "tests" / "testkit" / "comfy_family_probe.py"
@@ -78,14 +76,7 @@ CONNECTORS = 12   # video_ and audio_embeddings_connector: one block each, attn1
 def results(tmp_path_factory, comfy_checkout):
     comfy, python = comfy_checkout
     work = tmp_path_factory.mktemp("family-outputs")
-    pk = work / "pk"
-    pk.mkdir()
-    (pk / "comfyui_lora_runtime").symlink_to(REPO)
-    env = {**os.environ, "PYTHONPATH": str(pk)}
-    proc = subprocess.run([python, str(PROBE), str(comfy), str(work), *KINDS], cwd=str(comfy), env=env,
-                          capture_output=True, text=True, timeout=1800)
-    lines = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = run_probe(python, comfy, PROBE, [work, *KINDS], work, timeout=1800)
     head = lines[0]
     assert head["host"] == "comfyui", head
     return head, {r["kind"]: r for r in lines[1:]}

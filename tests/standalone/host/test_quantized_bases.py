@@ -290,19 +290,25 @@ def test_linear_input_act_plain_and_swiglu():
 
 # -- checkpoint files -----------------------------------------------------------------------------
 
+def _assert_saved_layers(f, q, scale_keys, storage, comfy_quant):
+    """Every quantized layer of `q` in the open file `f`: its keys (weight, bias, comfy_quant and the
+    layout's scales), the stored dtype, and comfy_quant as uint8 JSON equal to `comfy_quant`."""
+    keys = set(f.keys())
+    for name in quantized_layers(q):
+        assert {k[len(name) + 1:] for k in keys if k.rsplit(".", 1)[0] == name} == \
+            {"weight", "bias", "comfy_quant"} | scale_keys
+        assert f.get_tensor(f"{name}.weight").dtype == storage
+        assert f.get_tensor(f"{name}.comfy_quant").dtype == torch.uint8
+        assert json.loads(f.get_tensor(f"{name}.comfy_quant").numpy().tobytes()) == comfy_quant
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_save_load_round_trip(quantized, call, tmp_path, layout):
     q = quantized[layout]
     fmt, loaded_layout, storage, scale_keys = EXPECTED[layout]
     path = save_quantized(tmp_path / "q.safetensors", q)
     with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        for name in quantized_layers(q):
-            assert {k[len(name) + 1:] for k in keys if k.rsplit(".", 1)[0] == name} == \
-                {"weight", "bias", "comfy_quant"} | scale_keys
-            assert f.get_tensor(f"{name}.weight").dtype == storage
-            assert json.loads(f.get_tensor(f"{name}.comfy_quant").numpy().tobytes()) == {"format": fmt}
-            assert f.get_tensor(f"{name}.comfy_quant").dtype == torch.uint8
+        _assert_saved_layers(f, q, scale_keys, storage, {"format": fmt})
         if fmt == "nvfp4":
             assert f.get_tensor("blocks.0.ffn.0.weight_scale").dtype == torch.float8_e4m3fn
             assert f.get_tensor("blocks.0.ffn.0.weight_scale_2").dtype == torch.float32
@@ -366,12 +372,7 @@ def test_save_load_round_trip_4bit_rotated_layouts(wide_wan, call, tmp_path, lay
     assert len(quantized_layers(q)) == N_LINEARS
     path = save_quantized(tmp_path / "q.safetensors", q)
     with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        for name in quantized_layers(q):
-            assert {k[len(name) + 1:] for k in keys if k.rsplit(".", 1)[0] == name} == \
-                {"weight", "bias", "comfy_quant"} | scale_keys
-            assert f.get_tensor(f"{name}.weight").dtype == storage
-            assert json.loads(f.get_tensor(f"{name}.comfy_quant").numpy().tobytes()) == {"format": fmt, **conf_extra}
+        _assert_saved_layers(f, q, scale_keys, storage, {"format": fmt, **conf_extra})
         if fmt == "asym_w4a8_int8":
             assert f.get_tensor("blocks.0.ffn.2.weight_s_rel").dtype == torch.float8_e4m3fn
     loaded = load_wan_checkpoint(path)
