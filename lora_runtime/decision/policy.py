@@ -36,20 +36,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
-from ..layer.base_weight import float_view, quant_layout
+from ..errors import ConfigError, MergeRefusedError
+from ..layer.base_weight import float_view, quant_layout, stored_tensors
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import LoraLinear, mergeable
+from .estimate import MAX_SAMPLE_ROWS, SequentialEstimate
 
 log = logging.getLogger(__name__)
 
-MAX_SAMPLE_ROWS = 1024
-# the auto measurement samples at most this many elements of each weight (whole rows, evenly
-# spaced, at least MIN_SAMPLE_ROWS): i.i.d. rounding errors give a statistical error of about
-# 1/sqrt(2 * 2**18) = 0.14 % per layer, and the measurement costs a small share of a merge
-SAMPLE_ELEMENTS = 1 << 18
-MIN_SAMPLE_ROWS = 16
 
 
 @dataclass
@@ -139,11 +134,20 @@ def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None
             return None
         wk = weight_keys.get(w.layer_name) if weight_keys is not None else None
         if wk is None:
-            wk = (content_key(w.weight2d), quant_layout(w.weight))  # a quantized weight: its grid too
+            wk = _weight_key(w)
             if weight_keys is not None:
                 weight_keys[w.layer_name] = wk
         parts.append((w.layer_name, wk, s.content_hash, s.layer.stem, s.strength, s.update.alpha, w.merge_folds))
     return tuple(parts)
+
+
+def _weight_key(w: LoraLinear) -> tuple:
+    """The content key of `w`'s weight: a quantized one by its layout, stored bytes and scales
+    (read as stored, never dequantized), a float one by its values."""
+    q = w.get_base_layer().weight
+    if w.quantized:
+        return ("quantized", quant_layout(q), *(content_key(t) for t in stored_tensors(q)))
+    return (content_key(w.weight2d), None)
 
 
 def _cannot_overflow(w: LoraLinear, s) -> bool:
@@ -177,60 +181,6 @@ def _own_refused(rest: list[LoraLinear], names: list[str], refused: dict[str, st
         if mine:
             out[a] = (mine[0], refused[mine[0]], len(mine))
     return out
-
-
-def _sample_rows(rows: int, device, max_rows: int, cols: int | None = None):
-    if cols is not None:
-        max_rows = min(max_rows, max(MIN_SAMPLE_ROWS, SAMPLE_ELEMENTS // max(1, cols)))
-    if rows <= max_rows:
-        return slice(0, rows)
-    return torch.linspace(0, rows - 1, max_rows, device=device).round().long().unique()
-
-
-class _SequentialEstimate:
-    """Row samples of every weight, advanced by each adapter that merges, in merge order."""
-
-    def __init__(self, wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS):
-        self.rows = {}
-        for w in wrappers:
-            weight = w.weight2d.detach()
-            # a quantized weight is measured on its layout's grid, over every row (its scale may span
-            # the tensor); a float weight on an even sample of rows, rounded to its dtype
-            sel = slice(None) if w.quantized else _sample_rows(weight.shape[0], weight.device, max_rows,
-                                                               weight.shape[1])
-            self.rows[w.layer_name] = (w, sel, weight[sel].float(), None if w.quantized else weight.dtype)
-
-    @torch.no_grad()
-    def share(self, name: str) -> tuple[float, dict]:
-        """(share of adapter `name`'s update a merge would round away, the merged rows if it merges)."""
-        err = ref = 0.0
-        after = {}
-        for layer, (w, sel, cur, dtype) in self.rows.items():
-            s = _slot(w, name)
-            if s is None:
-                continue
-            d = w.delta_rows(sel, [s])
-            exact = cur + d
-            rounded = w.grid_round(exact) if dtype is None else exact.to(dtype).float()
-            # one fused fp32 reduction each (no float64 copies); the element-wise finite check runs
-            # only when the sum says something overflowed
-            e = float(torch.linalg.vector_norm(rounded - exact)) ** 2
-            if not math.isfinite(e):
-                bad = ~torch.isfinite(rounded) & torch.isfinite(cur)
-                if bad.any():
-                    raise NonFiniteMergeError(
-                        f"adapter {name}: on layer {layer} its update takes the {dtype or 'quantized'} weight past "
-                        f"the largest {dtype or 'representable'} value (e.g. {float(exact[bad][0]):.4g}); merged or "
-                        "not, this gives inf/NaN. Lower its strength, or load the model in bf16/fp32")
-            err += e
-            ref += float(torch.linalg.vector_norm(d)) ** 2
-            after[layer] = rounded
-        return (math.sqrt(err / ref) if ref > 0 else 0.0), after
-
-    def advance(self, after: dict) -> None:
-        for layer, rounded in after.items():
-            w, sel, _, dtype = self.rows[layer]
-            self.rows[layer] = (w, sel, rounded, dtype)
 
 
 def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS) -> float:
@@ -308,7 +258,7 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
             key = _adapter_key(floats, name, weight_keys) if cache is not None else None
             if key is not None and key in cache.checks:
                 continue
-            check = check or _SequentialEstimate(floats)
+            check = check or SequentialEstimate(floats)
             check.share(name)
             if key is not None:
                 cache._put(cache.checks, key, True)
@@ -356,10 +306,10 @@ def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | N
     estimate = None
     merged_names: list[str] = []
 
-    def sampled() -> _SequentialEstimate:
+    def sampled() -> SequentialEstimate:
         nonlocal estimate
         if estimate is None:  # built on the first measurement; replay the merges decided from the cache
-            estimate = _SequentialEstimate(rest)
+            estimate = SequentialEstimate(rest)
             for done in merged_names:
                 estimate.advance(estimate.share(done)[1])
         return estimate

@@ -35,6 +35,7 @@ DeltaRows = Callable[[slice | torch.Tensor], torch.Tensor]
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024   # accelerators: few, large chunks (one launch per op per chunk)
 CPU_CHUNK_BYTES = 4 * 1024 * 1024        # CPU: ~1 MiB per fp32 temporary, so every pass runs in cache
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_BITS_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -136,7 +137,8 @@ def content_key(w: torch.Tensor) -> tuple:
     """
     w = w.detach()
     m = w.reshape(w.shape[0], -1) if w.dim() >= 2 else w.reshape(1, -1)
-    bits = m.view(_INT_VIEW[w.dtype]) if m.is_contiguous() else m.contiguous().view(_INT_VIEW[w.dtype])
+    lanes = _INT_VIEW.get(w.dtype) or _BITS_BY_SIZE[w.element_size()]  # quantized data and scales too
+    bits = m.view(lanes) if m.is_contiguous() else m.contiguous().view(lanes)
     if (bits.shape[1] * bits.element_size()) % 8 == 0 and bits.data_ptr() % 8 == 0:
         rows = bits.view(torch.int64).sum(dim=1)
     else:

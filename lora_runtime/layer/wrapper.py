@@ -20,6 +20,8 @@ The paths and their numerics: docs/engine.md.
 """
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -371,7 +373,11 @@ class LoraLinear(nn.Module):
         delta frozen at merge time while merged, so a restore subtracts what was added.
         `fold` (lossless/high merges): each slot's scale and strength applied as one product
         (`Update.folded_delta`); else one after the other, the `exact` order."""
-        return self._delta_rows(self.weight2d, rows, self._weight_slots() if slots is None else slots, fold)
+        slots = self._weight_slots() if slots is None else slots
+        # a quantized weight is dequantized only when an update reads its values (DoRA): the others
+        # need its device alone
+        reads = not slots or any(s.frozen_delta is None and s.update.needs_weight for s in slots)
+        return self._delta_rows(self.weight2d if reads else self.get_base_layer().weight, rows, slots, fold)
 
     def _chunk_deltas(self, w: torch.Tensor, slots: list[AdapterSlot], fold: bool):
         """`delta_rows` for merge / restore row chunks, with the weight read once (no per-chunk
@@ -465,7 +471,9 @@ class LoraLinear(nn.Module):
         try:
             fold = self.merge_folds
             exact = w.add_(self._delta_rows(w, slice(None), slots, fold))
-            if not bool(torch.isfinite(exact).all()):
+            # one summing pass says "finite" for nearly every weight; the element-wise check runs only
+            # when the sum is not finite (an inf/NaN, or finite values whose sum overflows)
+            if not math.isfinite(float(exact.sum())) and not bool(torch.isfinite(exact).all()):
                 raise NonFiniteMergeError(f"{self.layer_name}: the merged weight is not finite (inf/NaN); nothing "
                                           "was written. Lower the adapter's strength")
             new = quantized_merge.requantized(old, exact.reshape(old.shape), self.requant_seed)

@@ -73,10 +73,10 @@ def test_several_layers_aggregate_by_norm():
 def test_auto_samples_a_bounded_number_of_elements_and_agrees_with_a_merge():
     """auto's measurement reads at most SAMPLE_ELEMENTS of each weight (128 of 1024 rows of
     2048 columns here); i.i.d. rounding errors over 2**18 elements: statistical error ~0.14 %."""
-    from comfyui_lora_runtime.lora_runtime.decision.policy import SAMPLE_ELEMENTS, _SequentialEstimate, _sample_rows
+    from comfyui_lora_runtime.lora_runtime.decision.estimate import SAMPLE_ELEMENTS, SequentialEstimate, sample_rows
     w = _wrapped(3e-3, out_f=1024, in_f=2048)
-    sel = _sample_rows(1024, "cpu", 1024, 2048)
+    sel = sample_rows(1024, "cpu", 1024, 2048)
     assert sel.numel() * 2048 <= SAMPLE_ELEMENTS and sel.numel() == 128
-    est, _ = _SequentialEstimate([w]).share("a")
+    est, _ = SequentialEstimate([w]).share("a")
     act = _actual_share(w)
     assert math.isclose(est, act, rel_tol=1e-2), (est, act)

@@ -1,0 +1,127 @@
+"""A sample of a host-quantized weight's rows: read, and re-quantized as a whole-tensor merge would.
+
+Contract
+- `row_wise(w)`: True for the layouts whose re-quantization (``requantize_from_float`` with the scale
+  recalculated) treats each row on its own, given the tensor's largest ``|value|``: per-tensor fp8 and
+  int8, mxfp8, nvfp4, and the convrot / asymmetric 4-bit layouts (their scales are per row or per
+  block of a row). Other layouts are measured on every row.
+- `grid_round_rows(w, exact, amax, seed)`: what a merge of a whole fp32 weight whose largest ``|value|``
+  is `amax` leaves in the rows `exact` holds: the rows are re-quantized together with one extra row
+  holding `amax`, so the layout's recalculated scale is the whole merge's. Round to nearest (seed 0):
+  bit for bit the rows of the whole merge; stochastic (seed > 0): the same grid, other random draws.
+- `elementwise(w)`: the layout dequantizes as stored value times one scalar scale (per-tensor fp8,
+  int8 without rotation): then `dequantized_rows(w, rows)` reads only those rows (bit for bit the
+  rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
+  from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit)` finds the
+  elements whose |value| is at least `t` the same way (None past `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
+- `top_step(w, amax)`: an upper bound of one grid step anywhere in the tensor when its largest
+  ``|value|`` is `amax` (how far a re-quantization can move a value), or None when unknown.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .base_weight import dequantized, quant_layout
+
+_FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
+ROW_WISE_LAYOUTS = frozenset(_FP8_LAYOUTS + (
+    "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout",
+    "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"))
+# the largest grid step relative to the largest value, per storage: per-tensor fp8 puts amax at the dtype's
+# max (e4m3: 448, step 32 in its top binade; e5m2: 57344, step 8192), int8 at 127 (step 1); mxfp8's
+# power-of-two block scale can sit up to 2x above its block's max (e4m3 elements)
+_FP8_STEP = {torch.float8_e4m3fn: 32 / 448, torch.float8_e5m2: 8192 / 57344}
+_RELATIVE_STEP = {"TensorWiseINT8Layout": 1 / 127, "TensorCoreMXFP8Layout": 2 * 32 / 448}
+
+
+def row_wise(w) -> bool:
+    """Does re-quantizing `w`'s layout treat rows on their own, given the largest |value|? (2-D only)"""
+    return quant_layout(w) in ROW_WISE_LAYOUTS and len(w.shape) == 2
+
+
+def elementwise(w) -> bool:
+    """Is `w` dequantized as stored value x one scalar scale, its rows stored as rows?"""
+    layout = quant_layout(w)
+    if layout not in _FP8_LAYOUTS + ("TensorWiseINT8Layout",) or len(w.shape) != 2:
+        return False
+    params = w._params
+    if getattr(params, "convrot", False) or getattr(params, "transposed", False):
+        return False
+    tensors = [v for v in vars(params).values() if isinstance(v, torch.Tensor)]
+    return tuple(w._qdata.shape) == tuple(w.shape) and all(t.numel() == 1 for t in tensors)
+
+
+@torch.no_grad()
+def dequantized_rows(w, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `rows` of an `elementwise` weight (equal to ``dequantized(w)[rows]``)."""
+    q = w._qdata[rows]
+    params = dataclasses.replace(w._params, orig_shape=(q.shape[0], w.shape[1]), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=q, params=params))
+
+
+@torch.no_grad()
+def stored_row_absmax(w) -> torch.Tensor:
+    """fp32 [out]: each row's largest |value| of an `elementwise` weight, read from its stored bytes."""
+    q = w._qdata
+    if q.dtype not in _FP8_STEP:  # int8: |-128| does not fit int8, so the row's top is scaled here
+        top = torch.maximum(q.amax(dim=1).to(torch.int16), -q.amin(dim=1).to(torch.int16))
+        return top.to(torch.float32) * w._params.scale.to(torch.float32)
+    top = (q.view(torch.uint8) & 0x7F).amax(dim=1).view(q.dtype)  # magnitude bits order like magnitudes
+    params = dataclasses.replace(w._params, orig_shape=(top.shape[0], 1), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=top.reshape(-1, 1), params=params)).reshape(-1)
+
+
+@torch.no_grad()
+def elements_at_least(w, t: float, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t`; None
+    when they are more than `limit`."""
+    q, scale = w._qdata, float(w._params.scale)
+    if q.dtype in _FP8_STEP:  # the smallest magnitude byte whose value reaches t
+        table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
+        table = torch.where(torch.isfinite(table), table, torch.inf)
+        byte = int(torch.searchsorted(table, torch.tensor([t], dtype=torch.float32)).item())
+        if byte >= 128:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        hit = (q.view(torch.uint8) & 0x7F) >= byte
+    else:
+        k = max(1, math.ceil(t / scale * (1 - 1e-6)))  # below the exact ceiling: never miss an element
+        if k > 128:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        hit = (q >= k) | (q <= -k) if k <= 127 else q == -128
+    if int(hit.sum()) > limit:
+        return None
+    rows, cols = torch.nonzero(hit, as_tuple=True)
+    return rows.cpu(), cols.cpu()
+
+
+@torch.no_grad()
+def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """fp32 [m]: the values of an `elementwise` weight at (rows, cols)."""
+    q = w._qdata[rows.to(w._qdata.device), cols.to(w._qdata.device)].reshape(1, -1)
+    params = dataclasses.replace(w._params, orig_shape=(1, q.shape[1]), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=q, params=params)).reshape(-1)
+
+
+@torch.no_grad()
+def grid_round_rows(w, exact: torch.Tensor, amax: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """fp32 [rows, in]: the merged rows `exact` on the grid a whole merge with largest |value| `amax` uses."""
+    extra = exact.new_zeros(1, exact.shape[1])
+    extra[0, 0] = amax
+    kwargs = {"scale": "recalculate"}
+    if seed:
+        kwargs["stochastic_rounding"] = seed
+    out = w.requantize_from_float(torch.cat([exact, extra]), **kwargs)
+    return dequantized(out)[:-1]
+
+
+def top_step(w, amax: float) -> float | None:
+    """Upper bound of one grid step of `w`'s layout when the tensor's largest |value| is `amax`."""
+    layout = quant_layout(w)
+    if layout in _FP8_LAYOUTS:
+        rel = _FP8_STEP.get(w._qdata.dtype)
+    else:
+        rel = _RELATIVE_STEP.get(layout)
+    return None if rel is None else rel * amax * 1.01

@@ -1,0 +1,124 @@
+"""`auto`'s measurement on quantized weights: a row sample re-quantized at the whole merge's scale,
+cheaply (real comfy-kitchen ``QuantizedTensor`` weights in the bundled host's layer shape).
+
+References: the whole merge's largest |value| and the same measurement over every row. Wrong
+answers: the sample's own largest value (a sample without the rows that may hold the top), and a
+share measured without the adapter (0)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("comfy_kitchen")
+
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.lora_runtime import LoraLinear  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.decision import estimate  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer import base_weight, quantized_rows  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.settings import MergeMode  # noqa: E402
+
+LAYOUTS = ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout",
+           "TensorCoreNVFP4Layout", "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"]
+ROWS, COLS, RANK = 512, 256, 32
+TOP = (301, 17)  # the largest weight: a row the even sample does not hold
+
+
+@pytest.fixture(autouse=True)
+def _small_sample(monkeypatch):
+    monkeypatch.setattr(estimate, "SAMPLE_ELEMENTS", 32 * COLS)  # 32 of 512 rows: a real sample
+
+
+def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> LoraLinear:
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(COLS, ROWS)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(ROWS, COLS, generator=g) / COLS ** 0.5)
+        lin.weight[TOP] = 0.4
+    w = LoraLinear(quant_ops.quantize_model(nn.Sequential(lin), layout, min_numel=1)[0], "l")
+    w.requant_seed = seed
+    for i, size in enumerate(sizes):
+        down, up = torch.randn(RANK, COLS, generator=g) * size, torch.randn(ROWS, RANK, generator=g) * size
+        up[TOP[0]] = size * 4  # the update moves the top value: the merge's scale is not the stored one
+        w.add_adapter(f"a{i}", LayerAdapter("l", down=down, up=up), 1.0, content_hash=f"h{i}")
+    return w
+
+
+def _whole(w: LoraLinear, names: list[str]) -> list[float]:
+    """The largest |value| of each whole merge in turn, re-quantized whole (round to nearest)."""
+    cur, out = w.weight2d.clone(), []
+    for name in names:
+        exact = cur + w.delta_rows(slice(None), [w.slots[name]])
+        out.append(float(exact.abs().amax()))
+        cur = w.grid_round(exact)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_sample_takes_the_whole_merges_scale(layout):
+    w = _layer(layout, sizes=(0.02, 0.01))
+    est = estimate.SequentialEstimate([w])
+    _, after = est.share("a0")
+    rows = est.rows["l"]
+    even = rows.sel[rows.measured]
+    est.advance(after)
+    _, after2 = est.share("a1")
+    whole = _whole(w, ["a0", "a1"])
+    # equal up to the fp32 rounding of the update (its matrix product is blocked by shape)
+    assert float(after["l"][1]) == pytest.approx(whole[0], rel=1e-6)
+    assert float(after2["l"][1]) == pytest.approx(whole[1], rel=1e-6)
+    sample_only = float((w.weight2d[even] + w.delta_rows(even, [w.slots["a0"]])).abs().amax())
+    assert sample_only < 0.9 * whole[0]  # the wrong answer: the sample's own top
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
+    w = _layer(layout)
+    share = decide(MergeMode.AUTO, [w], DecisionCache()).adapters[0].share_lost
+    monkeypatch.setattr(estimate, "SAMPLE_ELEMENTS", ROWS * COLS)
+    every = decide(MergeMode.AUTO, [w], DecisionCache()).adapters[0].share_lost
+    # 32 of 512 rows: a row's |dW|^2 varies with its rank-32 factor row (relative sd sqrt(2/32) =
+    # 0.25), so the sampled sum is off by about 0.25/sqrt(32) = 4.4 % and the share by half that;
+    # 8 % is over 3 standard deviations
+    assert share == pytest.approx(every, rel=0.08)
+    assert every > 0.01  # the wrong answer (no adapter, or no rounding) is 0
+
+
+@pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout"])
+def test_per_tensor_layouts_never_read_the_whole_weight(layout, monkeypatch):
+    """The measurement dequantizes and re-quantizes at most a quarter of the weight's elements
+    (what makes it cost a fraction of a merge, which does both to every element)."""
+    w = _layer(layout, sizes=(0.05, 0.04))
+    seen = {"dequantized": 0, "requantized": 0}
+    real_dq, real_rq = quantized_rows.dequantized, type(w.get_base_layer().weight).requantize_from_float
+
+    def dq(t, dtype=torch.float32):
+        seen["dequantized"] += t.numel()
+        return real_dq(t, dtype)
+
+    def rq(self, t, **kw):
+        seen["requantized"] += t.numel()
+        return real_rq(self, t, **kw)
+
+    def whole(*a, **k):
+        raise AssertionError("the whole weight was dequantized")
+
+    monkeypatch.setattr(quantized_rows, "dequantized", dq)
+    monkeypatch.setattr(type(w.get_base_layer().weight), "requantize_from_float", rq)
+    monkeypatch.setattr(base_weight, "dequantized", whole)
+    d = decide(MergeMode.AUTO, [w], DecisionCache())
+    assert [a.chosen for a in d.adapters] == ["merge", "merge"]  # the second measured after the first merged
+    assert 0 < seen["dequantized"] <= ROWS * COLS / 4 and 0 < seen["requantized"] <= 2 * ROWS * COLS / 4
+
+
+def test_a_changed_quantized_weight_is_measured_afresh():
+    w = _layer("TensorCoreFP8Layout")
+    cache = DecisionCache()
+    decide(MergeMode.AUTO, [w], cache)
+    decide(MergeMode.AUTO, [w], cache)
+    assert cache.measurements == 1
+    w.get_base_layer().weight._qdata.view(torch.uint8)[3, 3] ^= 1  # one stored byte
+    decide(MergeMode.AUTO, [w], cache)
+    assert cache.measurements == 2

@@ -1,0 +1,64 @@
+"""Reading and re-quantizing a sample of a quantized weight's rows (`layer.quantized_rows`).
+
+Reference: the whole weight, dequantized and re-quantized whole by its own layout (real
+comfy-kitchen ``QuantizedTensor`` weights). Wrong answer: re-quantizing the rows alone, at the
+scale their own largest value gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("comfy_kitchen")
+
+from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer import quantized_rows as qr  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer.base_weight import dequantized  # noqa: E402
+
+ELEMENTWISE = ["TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout"]
+LAYOUTS = ELEMENTWISE + ["TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout", "TensorCoreConvRotW4A4Layout",
+                         "AsymW4A8Int8Layout"]
+TENSOR_SCALED = ELEMENTWISE + ["TensorCoreNVFP4Layout"]  # a scale from the whole tensor's largest value
+ROWS = torch.tensor([0, 7, 100, 299])
+
+
+def _weight(layout: str):
+    quant_ops.require_comfy_kitchen()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 256, generator=g)
+    w[150, 9] = 9.0  # the largest value, in a row the sample does not hold
+    kw = {"scale": "recalculate"} if layout in ELEMENTWISE else {}
+    return quant_ops._quantized_tensor_class().from_float(w, layout, **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_requantize_as_the_whole_merge_does(layout):
+    q = _weight(layout)
+    assert qr.row_wise(q)
+    full = dequantized(q)
+    exact = full + 0.01 * torch.randn(full.shape, generator=torch.Generator().manual_seed(2))
+    whole = dequantized(q.requantize_from_float(exact, scale="recalculate"))
+    amax = exact.abs().amax()
+    assert torch.equal(qr.grid_round_rows(q, exact[ROWS], amax), whole[ROWS])  # round to nearest: bit for bit
+    # the wrong answer, the rows at their own largest value: off wherever a scale spans the tensor
+    alone = dequantized(q.requantize_from_float(exact[ROWS], scale="recalculate"))
+    assert torch.equal(alone, whole[ROWS]) == (layout not in TENSOR_SCALED)
+
+
+@pytest.mark.parametrize("layout", ELEMENTWISE)
+def test_elementwise_layouts_read_rows_and_elements_from_their_bytes(layout):
+    q = _weight(layout)
+    assert qr.elementwise(q)
+    full = dequantized(q)
+    assert torch.equal(qr.dequantized_rows(q, ROWS), full[ROWS])
+    assert torch.equal(qr.stored_row_absmax(q), full.abs().amax(dim=1))
+    t = float(full.abs().flatten().kthvalue(full.numel() - 40).values)  # about the 40 largest
+    rows, cols = qr.elements_at_least(q, t, limit=10_000)
+    want = torch.nonzero(full.abs() >= t, as_tuple=True)
+    assert torch.equal(rows, want[0]) and torch.equal(cols, want[1]) and 0 < rows.numel() < full.numel() // 50
+    assert torch.equal(qr.dequantized_at(q, rows, cols), full[rows, cols])
+    assert qr.elements_at_least(q, t, limit=rows.numel() - 1) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[4:])
+def test_block_layouts_are_not_read_by_element(layout):
+    assert not qr.elementwise(_weight(layout))
