@@ -37,6 +37,7 @@ MIN_SAMPLE_ROWS = 16
 # its rows, every row is held (the sample would cost about as much as the whole)
 MAX_CANDIDATE_SHARE = 0.25
 TOP_ROWS = 4
+REFINE_ROWS = 256
 
 
 def sample_rows(rows: int, device, max_rows: int, cols: int | None = None):
@@ -93,6 +94,7 @@ class _QuantRows:
 
     def __init__(self, w, max_rows: int):
         self.w, self.q, self.seed = w, w.get_base_layer().weight, w.requant_seed
+        self.block = qrows.block_width(self.q)
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
@@ -116,16 +118,15 @@ class _QuantRows:
             return self._full[rows.to(dev)].float()
         return qrows.dequantized_rows(self.q, rows.to(dev))
 
-    def _bound(self, s) -> torch.Tensor | None:
-        """fp32 [out]: a bound of each row's largest |value| of slot `s`'s update (the lower of the
-        triangle and Cauchy-Schwarz bounds of a low-rank product); None for other updates."""
-        st = s.update.stack()
-        if st is None:
-            return None
-        down, up, scale = (t.float() if isinstance(t, torch.Tensor) else t for t in s.update.stack())
-        tri = up.abs() @ down.abs().amax(dim=1)
-        cs = torch.linalg.vector_norm(up, dim=1) * torch.linalg.vector_norm(down, dim=0).max()
-        return (torch.minimum(tri, cs) * abs(s.strength * scale) * 1.01).cpu()  # margin: fp32 roundings
+    def _bound(self, s) -> torch.Tensor:
+        """fp32 [out]: each row's largest |value| of slot `s`'s update, exactly (chunked products: a
+        small share of a merge, which also dequantizes and re-quantizes every element)."""
+        n, dev = self.row_max.numel(), self.q.device
+        out = torch.empty(n)
+        for i in range(0, n, REFINE_ROWS):
+            rows = torch.arange(i, min(n, i + REFINE_ROWS), device=dev)
+            out[i:i + rows.numel()] = self.w.delta_rows(rows, [s]).abs().amax(dim=1).cpu()
+        return out * 1.0001  # the fp32 roundings of the update as the merge computes it
 
     def _add(self, rows: torch.Tensor) -> None:
         """Hold `rows` too (unmeasured): their base values with the merges so far replayed."""
@@ -135,64 +136,80 @@ class _QuantRows:
             cur = qrows.grid_round_rows(self.q, cur + self.w.delta_rows(rows.to(dev), [s]), amax, self.seed)
         self.sel, self.cur = torch.cat([self.sel, rows]), torch.cat([self.cur, cur])
 
-    def _reach(self, s, b: torch.Tensor | None, low: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows not held that may reach a |value| of `low` after slot `s`'s update, their update)."""
+    def _reach(self, b: torch.Tensor, low: float) -> torch.Tensor:
+        """Rows not held that may reach a |value| of `low` after the update bounded by `b`."""
         n = self.row_max.numel()
-        if b is None or self.moved is None:
-            return torch.arange(n)[~torch.isin(torch.arange(n), self.sel)], None
+        if self.moved is None:
+            return torch.arange(n)[~torch.isin(torch.arange(n), self.sel)]
         need = torch.nonzero(self.row_max + self.moved + b >= low).reshape(-1)
-        need = need[~torch.isin(need, self.sel)]
-        if need.numel() == 0 or self.sel.numel() + need.numel() > MAX_CANDIDATE_SHARE * n:
-            return need, None  # none, or so many that every row is held
-        d = self.w.delta_rows(need.to(self.q.device), [s])  # their update, exactly: a much closer bound
-        top = d.abs().amax(dim=1).cpu()
-        b[need] = top
-        keep = self.row_max[need] + self.moved[need] + top >= low
-        return need[keep], d[keep.to(d.device)]
+        return need[~torch.isin(need, self.sel)]
 
-    def _element_top(self, s, b: torch.Tensor, low: float) -> float | None:
-        """The largest |value| after slot `s`'s update among the elements of the rows not held that
-        may reach `low` (`low` when none can), from those elements alone (per-tensor layouts, whose
-        elements re-quantize on their own given the scale; low-rank updates); None when they are
-        more than SAMPLE_ELEMENTS."""
-        room = self.moved + b
+    def _block_top(self, s, b: torch.Tensor, low: float) -> float | None:
+        """The merged tensor's largest |value| after slot `s`'s update, given `low`, the largest the
+        held rows reach: from the blocks elsewhere that may reach it (their values with the merges
+        so far replayed block by block); None when they are more than SAMPLE_ELEMENTS elements."""
         held = torch.zeros(self.row_max.numel(), dtype=torch.bool)
         held[self.sel] = True
-        room[held] = -torch.inf
-        if not bool((self.row_max + room >= low).any()):
-            return low
-        found = qrows.elements_at_least(self.q, low - float(room.max()), SAMPLE_ELEMENTS)
-        if found is None:  # as dear as a row sample: the caller takes rows
-            return None
-        rows, cols = found
-        keep = ~held[rows]
-        rows, cols = rows[keep], cols[keep]
+        room = self.moved + b
+        rows = torch.nonzero(~held & (self.row_max + room >= low)).reshape(-1)
         if rows.numel() == 0:
             return low
-        cur = qrows.dequantized_at(self.q, rows, cols)
-        for past, amax in self.history:  # the merges so far, element by element
-            cur = qrows.grid_round_rows(self.q, (cur + _low_rank_at(past, rows, cols))[None], amax, self.seed)[0]
-        return max(low, float((cur + _low_rank_at(s, rows, cols)).abs().amax()))
+        if self._full is None:
+            found = qrows.elements_at_least(self.q, low - float(room[rows].max()), SAMPLE_ELEMENTS)
+            if found is None:
+                return None
+            r, c = found
+            keep = torch.isin(r, rows)
+            r, c = r[keep], c[keep]
+        else:
+            dev = self._full.device
+            sub = self._full[rows.to(dev)].abs() >= (low - room[rows]).to(dev)[:, None]
+            if int(sub.sum()) > SAMPLE_ELEMENTS:
+                return None
+            i, c = torch.nonzero(sub, as_tuple=True)
+            r, c = rows[i.cpu()], c.cpu()
+        if r.numel() == 0:
+            return low
+        per_row = self.q.shape[1] // self.block
+        blocks = torch.unique(r * per_row + c // self.block)
+        r = blocks // per_row
+        c = (blocks % per_row)[:, None] * self.block + torch.arange(self.block)[None]
+        cur = self._base_at(r, c)
+        for past, amax in self.history:  # the merges so far, block by block
+            cur = self._round_blocks(cur + _low_rank_at(past, r, c), amax)
+        return max(low, float((cur + _low_rank_at(s, r, c)).abs().amax()))
+
+    def _base_at(self, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """fp32 [m, width]: the base weight at rows `r` [m], columns `c` [m, width]."""
+        if self._full is not None:
+            dev = self._full.device
+            return self._full[r.to(dev)[:, None], c.to(dev)].float()
+        return qrows.dequantized_at(self.q, r.repeat_interleave(c.shape[1]), c.reshape(-1)).reshape(c.shape)
+
+    def _round_blocks(self, exact: torch.Tensor, amax) -> torch.Tensor:
+        if self.block == 1:  # elements quantize on their own: one row of them
+            return qrows.grid_round_rows(self.q, exact.reshape(1, -1), amax, self.seed).reshape(exact.shape)
+        return qrows.grid_round_rows(self.q, exact, amax, self.seed)
 
     def measure(self, s, name: str):
         b = self._bound(s)
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
         # the largest |value| the held rows reach is a floor for the whole tensor's
         low = float((self.cur + d).abs().amax())
-        if self._full is None and b is not None and self.moved is not None and all(
-                p.update.stack() is not None for p, _ in self.history):
-            top = self._element_top(s, b, low)
+        if self.block is not None and self.moved is not None and all(
+                p.update.stack() is not None for p, _ in self.history + [(s, None)]):
+            top = self._block_top(s, b, low)
             if top is not None:
                 exact = self.cur + d
                 rounded = qrows.grid_round_rows(self.q, exact, torch.tensor(top), self.seed)
                 return self._sums(exact, rounded, d, name) + ((rounded, top, s, b),)
-        new, d_new = self._reach(s, b, low)
+        new = self._reach(b, low)
         if new.numel():
-            if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * self.row_max.numel():
-                new = torch.arange(self.row_max.numel())[~torch.isin(torch.arange(self.row_max.numel()), self.sel)]
-                self.measured, d_new = slice(None), None  # as dear as the whole: hold every row
+            n = self.row_max.numel()
+            if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * n:  # as dear as the whole: hold every row
+                new, self.measured = torch.arange(n)[~torch.isin(torch.arange(n), self.sel)], slice(None)
             self._add(new)
-            d = torch.cat([d, d_new if d_new is not None else self.w.delta_rows(new.to(self.q.device), [s])])
+            d = torch.cat([d, self.w.delta_rows(new.to(self.q.device), [s])])
         exact = self.cur + d
         amax = exact.abs().amax()
         rounded = qrows.grid_round_rows(self.q, exact, amax, self.seed)
@@ -210,15 +227,17 @@ class _QuantRows:
         self.cur = rounded
         self.history.append((s, amax))
         step = qrows.top_step(self.q, float(amax))
-        self.moved = None if b is None or step is None or self.moved is None else self.moved + b + step
+        self.moved = None if step is None or self.moved is None else self.moved + b + step
 
 
 def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 [m]: slot `s`'s low-rank update at the elements (rows, cols), times its strength."""
+    """fp32 [m, width]: slot `s`'s low-rank update at rows `rows` [m], columns `cols` [m, width],
+    times its strength."""
     down, up, scale = s.update.stack()
     dev = up.device
-    rows, cols = rows.to(dev), cols.to(dev)
-    return (up[rows].float() * down[:, cols].float().T).sum(dim=1) * float(scale) * s.strength
+    u = up[rows.to(dev)].float()                       # [m, r]
+    d = down.float()[:, cols.to(dev)]                  # [r, m, width]
+    return torch.einsum("mr,rmw->mw", u, d) * float(scale) * s.strength
 
 
 class SequentialEstimate:

@@ -14,6 +14,9 @@ Contract
   rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
   from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit)` finds the
   elements whose |value| is at least `t` the same way (None past `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
+- `block_width(w)`: the columns a row-wise layout quantizes together (per-tensor fp8 / int8: 1,
+  nvfp4: 16, mxfp8: 32), or None when whole rows must go together; blocks of any rows, laid out as
+  the rows of a tensor of that width, re-quantize as in the whole tensor (`grid_round_rows`).
 - `top_step(w, amax)`: an upper bound of one grid step anywhere in the tensor when its largest
   ``|value|`` is `amax` (how far a re-quantization can move a value), or None when unknown.
 """
@@ -35,6 +38,19 @@ ROW_WISE_LAYOUTS = frozenset(_FP8_LAYOUTS + (
 # power-of-two block scale can sit up to 2x above its block's max (e4m3 elements)
 _FP8_STEP = {torch.float8_e4m3fn: 32 / 448, torch.float8_e5m2: 8192 / 57344}
 _RELATIVE_STEP = {"TensorWiseINT8Layout": 1 / 127, "TensorCoreMXFP8Layout": 2 * 32 / 448}
+
+
+_BLOCK = {"TensorWiseINT8Layout": 1, "TensorCoreMXFP8Layout": 32, "TensorCoreNVFP4Layout": 16}
+
+
+def block_width(w) -> int | None:
+    """The columns `w`'s layout quantizes together, or None (whole rows)."""
+    layout = quant_layout(w)
+    if layout in _FP8_LAYOUTS:
+        return 1
+    if layout == "TensorWiseINT8Layout" and getattr(w._params, "convrot", False):
+        return None
+    return _BLOCK.get(layout)
 
 
 def row_wise(w) -> bool:
