@@ -39,7 +39,7 @@ def main() -> None:
         t0 = time.perf_counter()
         w.merge()
         t1 = time.perf_counter()
-        rec = w._restore
+        rec = w.merge_state.restore
         kept = rec.exceptions / w.weight.numel() if rec.kind == "sparse" else 1.0
         w.unmerge()
         t2 = time.perf_counter()

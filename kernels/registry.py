@@ -11,8 +11,6 @@ real device (Triton importable, the cuBLASLt epilogue computing the tanh GELU, .
   `KernelUnavailableError` says why and what to do; an unknown name is a ValueError.
 - `use_backend(name)`: a context in which "auto" resolves to `name` (tests, benches).
 - `validate(...)`: the argument checks every op shares (shapes, dtypes, scale).
-- `plain_weight_reason(layer)`: why a layer's weight cannot be read by a fused GEMM
-  ('' when it can), judged on the layer a wrapper wraps.
 - `MeasuredChoice`: the per-shape-bucket measured choice among a site's paths (on
   CUDA the first call of a bucket times each path on the real input and keeps the
   fastest; elsewhere the first path, i.e. the highest priority).
@@ -29,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -230,32 +227,6 @@ def validate(op: str, x, weight, bias, lora_a=None, lora_b=None, scale=None):
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         return float(scale)
     raise TypeError(f"{op}: scale must be a float or an fp32 [R] tensor, got {type(scale).__name__}")
-
-
-_QUANT_ATTRS = ("scale_weight", "weight_scale", "quant_state", "qweight", "gather_output", "skip_bias_add")
-
-
-def plain_weight_reason(layer: nn.Module) -> str:
-    """'' when a fused GEMM may read this Linear's weight and bias as they are; else why not.
-    A wrapper is judged by the layer it wraps (`get_base_layer()`)."""
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-    if not isinstance(base, nn.Linear):
-        return f"first linear is a {type(base).__name__}"
-    w = base.weight
-    if type(w) not in (torch.Tensor, nn.Parameter):
-        return f"weight is a {type(w).__name__} (quantized/packed)"
-    if w.dtype not in FLOATS:
-        return f"weight dtype {w.dtype}"
-    if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
-        return "weight/bias-function patches (computed at call time)"
-    if getattr(base, "comfy_cast_weights", False):
-        return "weights are cast/offloaded at call time"
-    for attr in _QUANT_ATTRS:
-        if getattr(base, attr, None) not in (None, False):
-            return f"layer has {attr}"
-    if base.bias is not None and base.bias.dtype != w.dtype:
-        return "bias dtype differs from weight dtype"
-    return ""
 
 
 # ---- the measured choice per shape bucket

@@ -15,6 +15,7 @@ from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_con
                        sampling_schedules)
 from .settings import (AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, RestoreMemory, Tier, parse_merge_mode,
                        parse_restore_memory, parse_tier)
-from .layer.wrapper import LoraLinear, mergeable
+from .layer.wrapper import LoraLinear
+from .layer.weight_merge import mergeable
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -40,7 +40,8 @@ from ..errors import ConfigError, MergeRefusedError, NonFiniteMergeError
 from ..layer.base_weight import float_view, quant_layout
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
-from ..layer.wrapper import LoraLinear, mergeable
+from ..layer.wrapper import LoraLinear
+from ..layer.weight_merge import mergeable
 
 log = logging.getLogger(__name__)
 

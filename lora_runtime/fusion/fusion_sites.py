@@ -62,10 +62,8 @@ from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
 from ...kernels.lora_linear import lora_linear_torch
 from ...kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
-from ..layer import stacking
-from ..layer.base_weight import gguf_type, packed_reason
+from ..layer.base_weight import fused_read_reason, wrapped
 from ..layer.runtime_context import current_context
-from ..scaling import combined_factor
 from ..settings import Tier, parse_tier
 from ..layer.wrapper import attached_wrapper
 
@@ -116,7 +114,7 @@ def find_sites(model: nn.Module) -> list[SiteSpec]:
 
 
 def lora_wrapper(fc1: nn.Module):
-    """The adapters on this layer: an attached LoraLinear, or the layer itself when it is one."""
+    """The adapters on this layer: an attached AdaptedLayer, or the layer itself when it is one."""
     if getattr(fc1, "is_lora_wrapper", False):
         return fc1
     return attached_wrapper(fc1)
@@ -125,59 +123,20 @@ def lora_wrapper(fc1: nn.Module):
 def _is_linear_like(m) -> bool:
     if m is None:
         return False
-    base = m.get_base_layer() if hasattr(m, "get_base_layer") else m
-    return isinstance(base, nn.Linear)
+    return isinstance(wrapped(m), nn.Linear)
 
 
 def lora_factors(lw, x: torch.Tensor):
-    """The factors of the adapters live on this layer for this call: (A [R, K], B [N, R],
-    scale) with scale a float, an fp32 [R] per-rank vector, or (a per-branch adapter in a
-    batched CFG call) an fp32 [M, R] per-row-and-rank matrix over x's M flattened rows;
-    strength, schedule factor, runtime scale and row mask all in it. None when some live
-    update cannot be fused (`lw.unfusable_reason()` says why). The one place fused paths
-    read adapter factors."""
-    st = lw.stack(x.device, x.dtype)
-    if st is not None or not lw.call_has_row_mask():
-        return st
-    return _row_scaled_factors(lw, x)
-
-
-def _row_scaled_factors(lw, x: torch.Tensor):
-    """`LoraLinear.stack`'s factors with the CFG row masks folded into an [M, R] scale."""
-    ctx = current_context()
-    live, offsets = lw._call_plan()
-    if not live or offsets or lw.is_conv or any(not s.stackable for s in live):
-        return None
-    f = {s.name: lw.call_factor(s, ctx) for s in live}
-    live = [s for s in live if f[s.name][0] != 0.0]
-    if not live:
-        return None
-    a, bt, _, _ = stacking.stacked_pair(lw, x.device, x.dtype, live)
-    rows = x.numel() // x.shape[-1]
-    cols = []
-    for s in live:
-        rs, mask = f[s.name]
-        per_row = torch.full((rows,), combined_factor(s.update.scale, s.strength, rs), dtype=torch.float32,
-                             device=x.device)
-        if mask is not None:
-            m = stacking.row_mask(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
-            per_row = per_row * m
-        cols.append(per_row[:, None].expand(rows, stacking.rank_of(s)))
-    return a, bt.t(), torch.cat(cols, 1)
+    """The factors of the adapters live on this layer for this call (`AdaptedLayer.fused_factors`:
+    read off the layer's call plan, built once per plan). The one place fused paths read
+    adapter factors."""
+    return lw.fused_factors(x)
 
 
 def static_guard(fc1: nn.Module) -> tuple[bool, str]:
-    """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone. A weight
-    read through its layer (`base_weight`: packed, quantized, GGUF of any type, whose layer
-    dequantizes and patches it per call) is not handed to a fused GEMM."""
-    base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
-    w = getattr(base, "weight", None)
-    why = ""
-    if gguf_type(w) is not None:
-        why = packed_reason(w) or f"weight is GGUF {gguf_type(w)}"
-        why += ": its layer reads it per call (get_weight)"
-    if not why:
-        why = registry.plain_weight_reason(fc1)
+    """Judge the layer a wrapper wraps (`base_weight.fused_read_reason`): a weight read through
+    its layer (packed, quantized, GGUF of any type) is not handed to a fused GEMM."""
+    why = fused_read_reason(fc1)
     return not why, why
 
 
@@ -227,7 +186,7 @@ class MountedSite:
 
     def _base(self):
         fc1 = self.spec.fc1()
-        return fc1, (fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1)
+        return fc1, wrapped(fc1)
 
     def plan(self) -> str:
         """The backends each op may run on this site's device and dtype; '' or why none."""
@@ -293,7 +252,7 @@ class MountedSite:
         return self._routed(fc1, x, ctx)
 
     def _routed(self, fc1: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
-        base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+        base = wrapped(fc1)
         w, b = base.weight, base.bias
         if (x.dtype != w.dtype or x.device != w.device or getattr(base, "weight_function", None)
                 or x.shape[-1] != w.shape[1]):
@@ -412,7 +371,7 @@ def mount_fusions(model: nn.Module, tier, backend: str | dict = "auto",
         fc1 = spec.fc1()
         ok, why = static_guard(fc1)
         if ok and "auto" in requested.values():
-            base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+            base = wrapped(fc1)
             if not registry.MEASURED.measures(base.weight.device):
                 ok, why = False, (f"no CUDA device: fused paths are chosen by timing them against eager "
                                   f"on CUDA; on {base.weight.device.type} eager runs")

@@ -197,7 +197,7 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
             base = F.linear(x, lin.weight, lin.bias)
             w.merge(only={"a"})
             w.prepare_trace()
-            assert w._trace_plan is not None and len(w._trace_plan.offsets) == 2
+            assert w.traced_factors is not None and len(w.traced_factors.offsets) == 2
             cf = torch.compile(lin, backend=counting, dynamic=False)
 
             def check(adapters, fa):
@@ -272,7 +272,7 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
 
     try:
         w.prepare_trace()
-        assert w._trace_plan is not None and w._trace_plan.slots[0][2].shape == (9,)
+        assert w.traced_factors is not None and w.traced_factors.slots[0][2].shape == (9,)
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
@@ -343,7 +343,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
     graphs, counting = _graph_counter()
     try:
         w.prepare_trace()
-        tp = w._trace_plan
+        tp = w.traced_factors
         assert tp is not None and not tp.slots and len(tp.forms) == 1
         assert tp.forms[0][0] == FORM_OF[kind]
         cf = torch.compile(lin, backend=counting, dynamic=False)
@@ -374,7 +374,7 @@ def test_compile_trace_forms_match_eager_in_bf16():
         w = _attached(lin, v)
         try:
             w.prepare_trace()
-            kind_, tensors = w._trace_plan.forms[0][:2]
+            kind_, tensors = w.traced_factors.forms[0][:2]
             assert form_dtype(kind_, tensors) == torch.bfloat16
             cf = torch.compile(lin, backend="eager", dynamic=False)
             x = torch.randn(2, 3, 16).to(torch.bfloat16)
@@ -405,7 +405,7 @@ def test_compile_a_model_of_every_update_type_is_one_graph_without_breaks():
             down, up = lora_pair(lin.out_features, lin.in_features, 2, 50 + i, scale=0.3)
             w.add_adapter("b", LayerAdapter(name, down, up, alpha=2.0), 0.5)
         w.prepare_trace()
-        assert w._trace_plan is not None and w._trace_plan.forms, name
+        assert w.traced_factors is not None and w.traced_factors.forms, name
         wrappers.append(w)
     graphs, counting = _graph_counter()
     cm = torch.compile(model, backend=counting, fullgraph=True, dynamic=False)
@@ -452,7 +452,7 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     graphs, counting = _graph_counter()
     try:
         w.prepare_trace()
-        tp = w._trace_plan
+        tp = w.traced_factors
         assert tp is not None and [f[0] for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
         cf = torch.compile(conv, backend=counting, dynamic=False)
         with torch.no_grad():
@@ -492,7 +492,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
         with torch.no_grad():
             base = F.linear(x, lin.weight, lin.bias)
             w.prepare_trace()
-            assert w._trace_plan is None
+            assert w.traced_factors is None
             cf = torch.compile(lin, backend="eager")
             with runtime_context(tier="lossless"):
                 got, want = cf(x), lin(x)

@@ -7,6 +7,7 @@ import torch
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer import call_plan
+from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 from comfyui_lora_runtime.lora_runtime.layer.schedule import Branch, SamplingSchedules, parse_schedule
 
@@ -26,7 +27,7 @@ def _layer(dtype, n=2, strengths=(0.7, -0.6), diff_b=False):
 
 def _general(w, lin, x):
     ctx = current_context()
-    return w._forward_general(x, lin(x), ctx, *w._call_selection(ctx))
+    return forward_general(w, x, lin(x), ctx, select(w, ctx))
 
 
 CASES = [  # (adapters, strengths, per-call factors, diff_b): uniform, per-rank, exact, masks, offsets

@@ -104,7 +104,7 @@ def test_the_injector_merges_in_the_plans_tier(tmp_path):
         snap = {k: v.clone() for k, v in model.state_dict().items()}
         inj = LoraInjector(model)
         inj.apply(plan(model, [AdapterSpec(str(path), 0.7)], "merge", tier=tier))
-        assert all(w.merge_tier is Tier(tier) and w._merged_folded == (tier != "exact") for w in inj.wrappers.values())
+        assert all(w.merge_tier is Tier(tier) and w.merge_state.folded == (tier != "exact") for w in inj.wrappers.values())
         merged[tier] = {k: v.clone() for k, v in model.state_dict().items()}
         inj.clear()
         assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
