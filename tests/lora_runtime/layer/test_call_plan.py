@@ -91,3 +91,23 @@ def test_model_calls_with_equal_factors_share_one_context():
     assert torch.equal(first["a"][1], torch.tensor([0.0, 0.0, 1.0, 1.0]))  # negative rows first
     with runtime_context(adapters=first) as c1, runtime_context(adapters=s.call_scales(0.75, [1, 0], 4, "cpu")) as c2:
         assert c1 is c2
+
+
+@pytest.mark.parametrize("adapters,scale_dim", [(None, 1), ({"s0": (0.5, None)}, 1),
+                                                ({"s0": (1.0, torch.tensor([1.0, 0.0]))}, 2)],
+                         ids=["unscheduled", "scheduled", "per_branch"])
+def test_fused_factors_are_built_once_per_plan(adapters, scale_dim):
+    """The fused route reads its factors off the call plan: repeated calls in one context get the
+    very same factor tensors (built once), equal to a fresh build."""
+    from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import lora_factors
+    w, lin = _layer(torch.float32)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad(), runtime_context(tier="lossless", adapters=adapters):
+        got = [lora_factors(w, x) for _ in range(5)]
+        builds = {tuple(id(t) for t in st) for st in got}  # the results stay alive: ids are distinct
+        assert len(builds) == 1, f"{len(builds)} factor builds for 5 fused calls"
+        w.drop_plans()
+        fresh = lora_factors(w, x)
+    for a, b in zip(got[0], fresh):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.as_tensor(got[0][2]).dim() == scale_dim  # per rank (the slots differ), or per row and rank
