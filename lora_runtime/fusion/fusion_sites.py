@@ -60,7 +60,6 @@ from ...kernels import linear_gelu_tanh, lora_linear, registry
 from ...kernels.launch_configs import m_bucket
 from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
 from ...kernels.lora_linear import lora_linear_torch
-from ...kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
 from ..layer.base_weight import fused_read_reason, wrapped
 from ..layer.runtime_context import current_context
@@ -140,7 +139,7 @@ def static_guard(fc1: nn.Module) -> tuple[bool, str]:
     return not why, why
 
 
-UNFUSED = "unfused"
+UNFUSED = registry.UNFUSED
 _KIND = {"linear_gelu_tanh": "base", "lora_linear": "lora"}
 
 
@@ -193,15 +192,9 @@ class MountedSite:
         _, base = self._base()
         w = base.weight
         for op, req in self.requested.items():
-            if req == "auto":
-                names = [b.name for b in registry.available(op, w.device, w.dtype, auto=True)]
-                if not names:
-                    return f"no {op} backend runs on {w.device} for {w.dtype}"
-            else:
-                why = registry.get(op, req).why_not(w.device, w.dtype)
-                if why:
-                    return why
-                names = [req]
+            names, why = registry.candidates(op, req, w.device, w.dtype)
+            if why:
+                return why
             self.candidates[op] = names
         return ""
 
@@ -265,7 +258,7 @@ class MountedSite:
                     a, bmat, scale = st
                     names = self.candidates["lora_linear"]
                     if isinstance(scale, torch.Tensor) and scale.dim() == 2:  # per-branch rows
-                        names = [be for be in names if "row_scale" in registry.get("lora_linear", be).capabilities]
+                        names = registry.having("lora_linear", names, "row_scale")
                         if not names:
                             return self.unfused(fc1, x, "unfused (a per-branch adapter in a CFG batch: "
                                                         f"{'/'.join(self.candidates['lora_linear'])} take a "
@@ -283,28 +276,21 @@ class MountedSite:
         return self.unfused(fc1, x)
 
     def _run(self, route: str, op: str, x, w, rank: int, paths: dict, fc1) -> torch.Tensor:
-        """Run the backend chosen for this call: a forced one (`use_backend`), the named
-        one, or on an "auto" site the measured choice of this shape bucket (CUDA)."""
-        forced = registry.forced_backend()
-        if forced in paths:
-            name = forced
-        elif self.requested[op] != "auto":
-            name = next(iter(paths))
-        else:
-            kind = _KIND[op]
-            key = (str(x.device), str(x.dtype), kind, tuple(w.shape), rank, m_bucket(x.numel() // x.shape[-1]))
-            name, rec = registry.MEASURED.pick(key, {**paths, UNFUSED: lambda: self._eager(fc1, x)}, x.device)
-            if rec is not None:
-                self.speed[f"{kind} M<={key[-1]} R={rank}"] = rec
-            if name != "kconcat_cached":
-                self.state.pop("wb", None)  # hold no weight copy for a path this site does not take
-            if name == UNFUSED:
-                return self.unfused(fc1, x, "unfused (measured faster here)")
+        """Run the backend `registry.choose` picks for this call (forced, named, or measured per
+        shape bucket on an "auto" site)."""
+        kind = _KIND[op]
+        key = lambda: (str(x.device), str(x.dtype), kind, tuple(w.shape), rank,  # noqa: E731
+                       m_bucket(x.numel() // x.shape[-1]))
+        name, rec = registry.choose(op, self.requested[op], paths, x.device, key, self.state,
+                                    lambda: self._eager(fc1, x))
+        if rec is not None:
+            self.speed[f"{kind} M<={m_bucket(x.numel() // x.shape[-1])} R={rank}"] = rec
+        if name == UNFUSED:
+            return self.unfused(fc1, x, "unfused (measured faster here)")
         self.routes[route] += 1
         self.ran[f"{route}:{name}"] += 1
         y = paths[name]()
-        if name == "kconcat_cached":
-            self.cache_bytes = max(self.cache_bytes, cached_bytes(self.state))
+        self.cache_bytes = max(self.cache_bytes, registry.cache_bytes(op, name, self.state))
         return y
 
     @staticmethod
