@@ -62,6 +62,7 @@ from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
 from ...kernels.lora_linear import lora_linear_torch
 from .fusion_registry import FUSIONS
 from ..layer.base_weight import fused_read_reason, wrapped
+from ..layer.stacking import unfusable_reason
 from ..layer.runtime_context import current_context
 from ..settings import Tier, parse_tier
 from ..layer.wrapper import attached_wrapper
@@ -267,7 +268,7 @@ class MountedSite:
                                                             state=self.state))
                              for be in names}
                     return self._run("lora_fused", "lora_linear", x, w, a.shape[0], paths, fc1)
-                return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
+                return self.unfused(fc1, x, f"unfused ({unfusable_reason(lw)})")
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
             paths = {be: (lambda be=be: linear_gelu_tanh(x, w, b, backend=be))

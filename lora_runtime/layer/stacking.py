@@ -7,7 +7,7 @@ Contract
 - `add_stacked` / `add_stacked_per_slot` add ``sum_i (x A_i^T) f_i B_i^T`` to the base output in
   place (addmm_), the factors applied through `scaling`.
 - `fused_factors` / `row_scaled_factors`: what a fused kernel takes for a call, or None; a
-  call plan builds them once (`CallPlan.fused`).
+  call plan builds them once (`CallPlan.fused`); `unfusable_reason` says why there are none.
 `layer` is an adapted layer (`wrapper.AdaptedLayer`); only its public members are read.
 """
 from __future__ import annotations
@@ -105,6 +105,21 @@ def row_scaled_factors(lw, ctx, x: torch.Tensor):
             per_row = per_row * m
         cols.append(per_row[:, None].expand(rows, rank_of(s)))
     return a, bt.t(), torch.cat(cols, 1)
+
+
+def unfusable_reason(lw) -> str:
+    """Why `fused_factors` gives nothing for a call now (for the fusion report)."""
+    if lw.call_has_row_mask():
+        return "a per-branch adapter in a CFG batch: the fused kernel takes a per-rank scale, not a per-row one"
+    live, offsets = lw.live_slots()
+    kinds = sorted({s.update.kind for s in live if not s.stackable})
+    if kinds:
+        return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
+    if offsets:
+        return "an output offset (diff_b) rides on the layer"
+    if lw.is_conv:
+        return "a convolution"
+    return "no live low-rank update"
 
 
 def add_stacked(lw, x: torch.Tensor, y: torch.Tensor, slots, rs: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ Contract
   stacked factors (``factor_cache``), the call plans and the traced factors (``traced_factors``).
 - A call: ``y = base(x)`` plus what the call plan for (slot state, context, device, dtype)
   says (`call_plan`); a compiled call reads ``traced_factors`` instead (`traced`); a fused kernel takes
-  ``stack()``, read off the same plan. ``diff_b`` offsets are added at run time even when the
+  ``fused_factors(x)``, read off the same plan. ``diff_b`` offsets are added at run time even when the
   weight is merged. A runtime scale of 0.0 returns the base output.
 - ``merge()`` / ``unmerge()``: `weight_merge` (one rounding in, bit for bit out); ``patch_at_cast()``:
   `cast_patch` (the host adds the adapters when it casts the weight; the forward adds nothing).
@@ -186,9 +186,8 @@ class AdaptedLayer(nn.Module):
         self._invalidate()
 
     def weight_changed(self) -> None:
-        """The base weight may differ from what weight-dependent updates (DoRA norms) cached:
-        a new run, or a merge / restore here. Inference tensors keep no version counter, so
-        the caches are cleared explicitly."""
+        """The base weight may differ from what weight-dependent updates (DoRA norms) cached (a
+        new run, a merge / restore): their caches are cleared (inference tensors keep no version)."""
         for s in self.slots.values():
             if s.update is not None and s.update.needs_weight:
                 s.update.clear_cache()
@@ -233,13 +232,9 @@ class AdaptedLayer(nn.Module):
         if self.merged:
             raise RuntimeError(f"{self.layer_name}: unmerge before you {what}")
 
-    @property
-    def merged(self) -> bool:
-        return self.merge_state.restore is not None
-
-    @property
-    def has_output_offset(self) -> bool:
-        return any(s.contributes and s.update.diff_b is not None for s in self.slots.values())
+    merged = property(lambda self: self.merge_state.restore is not None)
+    has_output_offset = property(lambda self: any(s.contributes and s.update.diff_b is not None
+                                                  for s in self.slots.values()))
 
     @property
     def lora_active(self) -> bool:
@@ -270,9 +265,7 @@ class AdaptedLayer(nn.Module):
         return any(self.call_factor(s, ctx)[1] is not None for s in (*dyn, *offsets))
 
     # --- the weight (merge, loss estimate, reference) --------------------------------
-    @property
-    def is_conv(self) -> bool:
-        return isinstance(self.get_base_layer(), _CONVS)
+    is_conv = property(lambda self: isinstance(self.get_base_layer(), _CONVS))
 
     @property
     def weight2d(self) -> torch.Tensor:
@@ -307,21 +300,17 @@ class AdaptedLayer(nn.Module):
         slot's strength (`weight_merge.delta_rows`; `fold`: lossless/high's one product)."""
         return weight_merge.delta_rows(self.weight2d, rows, self.weight_slots() if slots is None else slots, fold)
 
-    @property
-    def merge_folds(self) -> bool:
-        """Does a merge here fold scale x strength into one product (lossless/high), or apply them in
-        order (exact)? The rounding-loss estimate, the merge and its decision cache key follow it."""
-        return self.merge_tier is not Tier.EXACT
+    merge_folds = property(lambda self: self.merge_tier is not Tier.EXACT, doc=(
+        "Does a merge here fold scale x strength into one product (lossless/high) or apply them in order "
+        "(exact)? The rounding-loss estimate, the merge and its decision cache key follow it."))
 
     def rounding_loss_sums(self, max_rows: int = 1024) -> tuple[float, float]:
         fold = self.merge_folds   # the scaling the merge would use
         return rounding_loss_sums(self.weight2d, lambda r: self.delta_rows(r, None, fold), max_rows=max_rows,
                                   round_to=self.grid_round if self.quantized else None)
 
-    @property
-    def quantized(self) -> bool:
-        """Is the weight host-quantized (a merge re-quantizes it on its layout's grid)?"""
-        return quant_layout(self.get_base_layer().weight) is not None
+    quantized = property(lambda self: quant_layout(self.get_base_layer().weight) is not None,
+                         doc="Is the weight host-quantized (a merge re-quantizes it on its layout's grid)?")
 
     def grid_round(self, exact: torch.Tensor) -> torch.Tensor:
         """fp32 [out, in] values -> what a merge into this quantized weight would leave."""
@@ -338,10 +327,7 @@ class AdaptedLayer(nn.Module):
     def forget_verified(self) -> None:
         self.merge_state.verified = None
 
-    @property
-    def restore_bytes(self) -> int:
-        r = self.merge_state.restore
-        return r.nbytes if r is not None else 0
+    restore_bytes = property(lambda self: 0 if self.merge_state.restore is None else self.merge_state.restore.nbytes)
 
     # --- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -383,19 +369,9 @@ class AdaptedLayer(nn.Module):
         dyn, offsets = self.live_slots()
         return bool(dyn or offsets)
 
-    @property
-    def calls(self) -> int:
-        """Eager forwards this wrapper ran."""
-        return self.counts[0]
-
-    @property
-    def cast_calls(self) -> int:
-        """Times the host applied this wrapper's cast-time weight patch."""
-        return self.counts[1]
-
-    @property
-    def cast_patched(self) -> bool:
-        return self.cast_patch is not None
+    calls = property(lambda self: self.counts[0], doc="Eager forwards this wrapper ran.")
+    cast_calls = property(lambda self: self.counts[1], doc="Times the host applied the cast-time weight patch.")
+    cast_patched = property(lambda self: self.cast_patch is not None)
 
     def patch_at_cast(self) -> str:
         """Move the dynamic adapters into the host's cast-time patches (`cast_patch`); '' when
@@ -406,28 +382,10 @@ class AdaptedLayer(nn.Module):
         cast_patch.unpatch_at_cast(self)
 
     # --- what a fused kernel takes --------------------------------------------------
-    def stack(self, device, dtype):
-        """What a LoRA-aware fused kernel takes for this call (the call plan's `fused`)."""
-        return self.plan_for(current_context(), device, dtype).fused(None)
-
     def fused_factors(self, x: torch.Tensor):
-        """What a LoRA-aware fused kernel takes for this call on `x`, per-branch rows included
-        (the call plan's `fused`); None when some live update cannot be fused (`unfusable_reason`)."""
+        """What a LoRA-aware fused kernel takes for this call on `x` (the call plan's `fused`);
+        None when some live update cannot be fused (`stacking.unfusable_reason` says why)."""
         return self.plan_for(current_context(), x.device, x.dtype).fused(x)
-
-    def unfusable_reason(self) -> str:
-        """Why `fused_factors` gives nothing right now (for the fusion report)."""
-        if self.call_has_row_mask():
-            return "a per-branch adapter in a CFG batch: the fused kernel takes a per-rank scale, not a per-row one"
-        live, offsets = self.live_slots()
-        kinds = sorted({s.update.kind for s in live if not s.stackable})
-        if kinds:
-            return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
-        if offsets:
-            return "an output offset (diff_b) rides on the layer"
-        if self.is_conv:
-            return "a convolution"
-        return "no live low-rank update"
 
     def extra_repr(self) -> str:
         return f"{self.layer_name}: " + ", ".join(
