@@ -14,20 +14,20 @@ import time
 
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode
 
 
-def layers(dim: int, ffn: int, rank: int) -> list[LoraLinear]:
+def layers(dim: int, ffn: int, rank: int) -> list[AdaptedLayer]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i, (o, n) in enumerate([(dim, dim)] * 8 + [(ffn, dim), (dim, ffn)]):
         lin = torch.nn.Linear(n, o).to(torch.bfloat16)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(o, n, generator=g) / n ** 0.5)
-        w = LoraLinear(lin, f"blocks.0.l{i}")
+        w = AdaptedLayer(lin, f"blocks.0.l{i}")
         down, up = torch.randn(rank, n, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01
         w.add_adapter("a", LayerAdapter(f"l{i}", down=down.to(torch.bfloat16), up=up.to(torch.bfloat16)), 1.0,
                       content_hash="bench")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime import updates as U
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, applied, plan
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
@@ -118,7 +118,7 @@ def sliced_case(dim, rank, tokens, dtype):
         parts.append((i * dim, (i + 1) * dim, U.LoRA(down, up, ALPHA)))
     v = U.Sliced(parts, 3 * dim)
     v.check_module(3 * dim, dim)
-    w = LoraLinear(lin, "qkv")
+    w = AdaptedLayer(lin, "qkv")
     w.add_adapter("a", LayerAdapter("qkv", update=v), STRENGTH)
     w.attach()
     x = torch.randn(1, tokens, dim, generator=g).to(dtype)

@@ -30,7 +30,7 @@ Guards
   which, with the times, and which backend each route ran): a fused kernel that loses to
   cuBLAS on this GPU is not used. `use_backend(name)` forces a backend on "auto" sites.
 - call time (live): the fused path runs only inside a non-exact runtime context,
-  with matching dtype/device; and the layer's adapters (the LoraLinear attached to
+  with matching dtype/device; and the layer's adapters (the AdaptedLayer attached to
   it, see wrapper.attach) are asked whether they add output now
   (`lora_active`). Inactive (disabled, or merged without offset): the base fused
   epilogue, since the weight already holds any update. Active dynamic adapter: the

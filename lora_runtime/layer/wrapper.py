@@ -392,5 +392,3 @@ class AdaptedLayer(nn.Module):
             f"{s.name}(s={s.strength}{', merged' if s.merged else ''}{'' if s.enabled else ', off'})"
             for s in self.slots.values())
 
-
-LoraLinear = AdaptedLayer  # until the callers take the new name

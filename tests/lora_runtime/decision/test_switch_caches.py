@@ -7,7 +7,7 @@ or dtype each get a fresh measurement, and an answer that changed (an overflow) 
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import (AdapterSpec, DecisionCache, LoraInjector, LoraLinear,
+from comfyui_lora_runtime.lora_runtime import (AdapterSpec, DecisionCache, LoraInjector, AdaptedLayer,
                                                NonFiniteMergeError, RestoreError, plan)
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import content_key, fingerprint, merge_weight, restore_weight
@@ -140,7 +140,7 @@ def _wrapped(seed=0):
     lin = torch.nn.Linear(48, 64).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(64, 48, generator=g) / 7)
-    w = LoraLinear(lin, "layer")
+    w = AdaptedLayer(lin, "layer")
     w.add_adapter("a", LayerAdapter("layer", down=torch.randn(4, 48, generator=g) * 0.1,
                                     up=torch.randn(64, 4, generator=g) * 0.1), 1.0)
     return w

@@ -4,7 +4,7 @@ and dtype, and a sampling's model calls with equal factors share one context (on
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer import call_plan
 from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
@@ -17,7 +17,7 @@ from testkit.fixtures import lora_pair
 def _layer(dtype, n=2, strengths=(0.7, -0.6), diff_b=False):
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 48).to(dtype)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     for i in range(n):
         down, up = lora_pair(48, 32, 4, i + 1, scale=0.3, dtype=dtype)
         db = torch.randn(48, generator=torch.Generator().manual_seed(9)).to(dtype) * 0.1 if diff_b and i == 0 else None

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
@@ -60,7 +60,7 @@ def test_subtracting_the_delta_would_drift():
 def test_nan_is_caught_before_anything_is_written():
     lin = torch.nn.Linear(8, 8).to(torch.float16)
     huge = LayerAdapter("l", down=torch.full((1, 8), 300.0), up=torch.full((8, 1), 300.0))
-    w = LoraLinear(lin, "blocks.0.ffn.0")
+    w = AdaptedLayer(lin, "blocks.0.ffn.0")
     w.add_adapter("huge.safetensors", huge, 1.0)
     before = w.weight.detach().clone()
     with pytest.raises(NonFiniteMergeError, match=r"blocks.0.ffn.0.*no weight was changed"):

@@ -7,7 +7,7 @@ wrappers. The lean record is the wrong answer for the memory figure (it keeps fa
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, RestoreError
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, RestoreError
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight
 
@@ -44,7 +44,7 @@ def test_copy_no_drift_over_200_cycles():
 def test_copy_catches_non_finite_before_leaving_anything_written():
     lin = torch.nn.Linear(8, 8).to(torch.float16)
     huge = LayerAdapter("l", down=torch.full((1, 8), 300.0), up=torch.full((8, 1), 300.0))
-    w = LoraLinear(lin, "blocks.0.ffn.0")
+    w = AdaptedLayer(lin, "blocks.0.ffn.0")
     w.restore_copy = True
     w.add_adapter("huge.safetensors", huge, 1.0)
     before = w.weight.detach().clone()
