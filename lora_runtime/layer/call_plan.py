@@ -47,7 +47,7 @@ class CallPlan:
         if st is _UNBUILT:
             st = self._fused = stacking.fused_factors(self.layer, self.ctx, self.device, self.dtype)
             self._row_mask = self.layer.call_has_row_mask(self.ctx)
-        if st is not None or x is None or not self._row_mask:
+        if st is not None or not self._row_mask:
             return st
         key = tuple(x.shape[:-1])
         st = self._rows.get(key, _UNBUILT)
