@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode
@@ -28,7 +28,7 @@ LAYOUTS = {"fp8": "TensorCoreFP8E4M3Layout", "int8": "TensorWiseINT8Layout", "mx
            "nvfp4": "TensorCoreNVFP4Layout"}
 
 
-def layers(dim: int, ffn: int, rank: int, form: str, adapters: int, size: float) -> list[LoraLinear]:
+def layers(dim: int, ffn: int, rank: int, form: str, adapters: int, size: float) -> list[AdaptedLayer]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i, (o, n) in enumerate([(dim, dim)] * 8 + [(ffn, dim), (dim, ffn)]):
@@ -40,7 +40,7 @@ def layers(dim: int, ffn: int, rank: int, form: str, adapters: int, size: float)
         else:
             from comfyui_lora_runtime.standalone.host import quant_ops
             layer = quant_ops.quantize_model(torch.nn.Sequential(lin), LAYOUTS[form], min_numel=1)[0]
-        w = LoraLinear(layer, f"blocks.0.l{i}")
+        w = AdaptedLayer(layer, f"blocks.0.l{i}")
         w.requant_seed = 0 if form == "bf16" else 1 + i  # ComfyUI seeds each layer's stochastic rounding
         for a in range(adapters):
             down, up = torch.randn(rank, n, generator=g) * size, torch.randn(o, rank, generator=g) * size
@@ -59,7 +59,7 @@ def best(fn, repeats: int) -> float:
     return t
 
 
-def measure(ws: list[LoraLinear], repeats: int) -> tuple[float, float, float, object]:
+def measure(ws: list[AdaptedLayer], repeats: int) -> tuple[float, float, float, object]:
     t_auto = best(lambda: decide(MergeMode.AUTO, ws, DecisionCache()), repeats)
     t_merge = t_restore = float("inf")
     for _ in range(repeats):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context, runtime_context
 
 from _timing import header, load_string, paired_rounds
@@ -92,7 +93,7 @@ def main(argv=None) -> dict:
             def forward(self, x):
                 y = wr._base_call(x)
                 ctx = current_context()
-                return wr._forward_general(x, y, ctx, *wr._call_selection(ctx))
+                return forward_general(wr, x, y, ctx, select(wr, ctx))
 
         unplanned_mod = Unplanned()
 

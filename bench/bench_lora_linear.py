@@ -8,9 +8,9 @@ itself: its distance from 1.00 is the noise of this run.
 Rows (per shape, dtype, rank, adapter count):
   peft      y = F.linear(x, W, b); y = y + F.linear(F.linear(x, A_i), B_i) * s_i  per adapter
             (PEFT's forward: out of place, one GEMM pair and one multiply per adapter)
-  dynamic   LoraLinear under runtime_context(tier="lossless"): the stacked GEMM pair,
+  dynamic   AdaptedLayer under runtime_context(tier="lossless"): the stacked GEMM pair,
             delta accumulated into y in place by addmm_ with the scale as alpha
-  exact     LoraLinear under runtime_context(tier="exact"): the reference path, per
+  exact     AdaptedLayer under runtime_context(tier="exact"): the reference path, per
             adapter ((x A^T) B^T), each non-unit factor multiplied in order, y = y + delta
   merged    F.linear(x, W + sum_i s_i B_i A_i, b) (base cost on a merged weight; the
             same cost at every rank and adapter count, so it is a second noise row)
@@ -38,7 +38,7 @@ from torch import nn
 
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
-from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 
 from _timing import dtype_name, header, load_string, paired_rounds, parse_dtype, resolve_device
 
@@ -59,7 +59,7 @@ def make_case(k, n, tokens, rank, n_adapters, dtype, device, seed=0):
         base.bias.copy_(torch.randn(n, generator=g) * 0.1)
     base = base.to(device, dtype).requires_grad_(False)
     w, b = base.weight, base.bias
-    wrapped = LoraLinear(base, "bench")
+    wrapped = AdaptedLayer(base, "bench")
     peft, delta = [], torch.zeros(n, k)
     for i, strength in enumerate(STRENGTHS[n_adapters]):
         down = torch.randn(rank, k, generator=g) / k ** 0.5

@@ -12,18 +12,18 @@ import time
 
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, measure_share_lost
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, measure_share_lost
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 
-def wrapped(rel: float, n: int = 1536, r: int = 32, dtype=torch.bfloat16, seed: int = 0) -> LoraLinear:
+def wrapped(rel: float, n: int = 1536, r: int = 32, dtype=torch.bfloat16, seed: int = 0) -> AdaptedLayer:
     g = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(n, n).to(dtype)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(n, n, generator=g) / n ** 0.5)
     down, up = torch.randn(r, n, generator=g), torch.randn(n, r, generator=g)
     k = (rel * lin.weight.float().norm() / (up @ down).norm()).sqrt()
-    w = LoraLinear(lin, f"rel={rel}")
+    w = AdaptedLayer(lin, f"rel={rel}")
     w.add_adapter("a", LayerAdapter("x", down=(down * k).to(dtype), up=(up * k).to(dtype)), 1.0)
     return w
 
@@ -39,7 +39,7 @@ def main() -> None:
         t0 = time.perf_counter()
         w.merge()
         t1 = time.perf_counter()
-        rec = w._restore
+        rec = w.merge_state.restore
         kept = rec.exceptions / w.weight.numel() if rec.kind == "sparse" else 1.0
         w.unmerge()
         t2 = time.perf_counter()

@@ -10,7 +10,7 @@ base alone vs our dynamic adapters (1 and 4, rank 32) vs the host's cast-time Lo
 Arms per layout (times are medians of per-round ratios to `base`, interleaved rounds):
 - ``base``: the quantized model alone;
 - ``dyn1`` / ``dyn4``: our dynamic path with 1 / 4 adapters (mode dynamic, tier lossless);
-- ``cast1``: one adapter as a cast-time weight patch (`LoraLinear.patch_at_cast`).
+- ``cast1``: one adapter as a cast-time weight patch (`AdaptedLayer.patch_at_cast`).
 Each forward is checked against the ideal float result at the end (the adapter is applied).
 """
 from __future__ import annotations

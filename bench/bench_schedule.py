@@ -94,9 +94,9 @@ def overhead_us(rank: int, calls: int = 5000) -> tuple[float, float]:
     constant and scheduled timed in alternating blocks, one thread, fastest block of each."""
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
-    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
     g = torch.Generator().manual_seed(0)
-    w = LoraLinear(torch.nn.Linear(64, 64), "tiny")
+    w = AdaptedLayer(torch.nn.Linear(64, 64), "tiny")
     w.add_adapter("a", LayerAdapter("tiny", torch.randn(rank, 64, generator=g), torch.randn(64, rank, generator=g),
                                     alpha=ALPHA), STRENGTH)
     x = torch.randn(1, 4, 64, generator=g)

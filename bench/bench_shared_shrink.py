@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime import updates as U
 from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, applied, plan
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 
 from _timing import dtype_name, header, interleaved_rounds, load_string, parse_dtype
@@ -117,7 +118,7 @@ def sliced_case(dim, rank, tokens, dtype):
         parts.append((i * dim, (i + 1) * dim, U.LoRA(down, up, ALPHA)))
     v = U.Sliced(parts, 3 * dim)
     v.check_module(3 * dim, dim)
-    w = LoraLinear(lin, "qkv")
+    w = AdaptedLayer(lin, "qkv")
     w.add_adapter("a", LayerAdapter("qkv", update=v), STRENGTH)
     w.attach()
     x = torch.randn(1, tokens, dim, generator=g).to(dtype)
@@ -129,7 +130,7 @@ def sliced_case(dim, rank, tokens, dtype):
     def general(x):
         y = w._base_call(x)
         ctx = current_context()
-        return w._forward_general(x, y, ctx, *w._call_selection(ctx))
+        return forward_general(w, x, y, ctx, select(w, ctx))
 
     with torch.inference_mode(), runtime_context(tier="lossless"):
         plain_out = F.linear(x, lin.weight, lin.bias)

@@ -32,7 +32,7 @@ try:
     from comfyui_lora_runtime.lora_runtime import updates
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
-    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 except ImportError as e:  # pragma: no cover
     raise SystemExit(f"install the pack first (pip install -e .): {e}")
 
@@ -85,7 +85,7 @@ def main() -> None:
         for name, v in vs.items():
             lin = nn.Linear(in_f, out_f).to(dtype)
             lin.load_state_dict(base.state_dict())
-            w = LoraLinear(lin, name)
+            w = AdaptedLayer(lin, name)
             w.attach()
             w.add_adapter(name, LayerAdapter(name, update=v), 0.8)
             wrappers[name] = (lin, w)

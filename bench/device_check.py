@@ -16,7 +16,7 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            M = 512 / 4096 / 32760. Base arms: eager F.linear+GELU, the cuBLASLt bias+GELU
            epilogue (backend "cublaslt", where its on-device tanh check passes), the Triton
            fused kernel. LoRA arms for ranks 16/32/64/128 x 1 adapter and 32 x 3: the
-           PEFT-shaped eager chain, the shipped wrapper (LoraLinear lossless + GELU), and the
+           PEFT-shaped eager chain, the shipped wrapper (AdaptedLayer lossless + GELU), and the
            backends Triton, K-concat with [W | B] cached / rebuilt per call, delta first;
            each x the best base arm of its round, and the lossless rule vs fp64 per arm
   swap     bench/bench_switch.py --device cuda: adapter swap A -> B (restore + merge, lean
@@ -103,7 +103,7 @@ TOKENS = (512, 4096, 32760)
 LORA_SETS = ((16, 1), (32, 1), (64, 1), (128, 1), (32, 3))
 NUMERICS_SET = (32, 3)
 BASE_ARMS = ("eager", "cublaslt", "triton")
-# peft: the PEFT-shaped eager chain; shipped: the pack's LoraLinear (lossless) + GELU, what an
+# peft: the PEFT-shaped eager chain; shipped: the pack's AdaptedLayer (lossless) + GELU, what an
 # unfused site runs; then each registered LoRA-aware backend of the pack
 LORA_ARMS = ("peft", "shipped", "triton", "kconcat_cached", "kconcat_rebuilt", "delta_first")
 STRENGTHS = (0.8, -0.5, 1.3)
@@ -316,15 +316,15 @@ def lossless_stats(y, ref, truth) -> dict:
 
 
 def shipped_layer(w, b, a, bb, ranks):
-    """The pack's LoraLinear over (w, b) with the stacked adapters split back per adapter
+    """The pack's AdaptedLayer over (w, b) with the stacked adapters split back per adapter
     (alpha = rank, so each factor is its strength, as make_inputs' scale)."""
     from torch import nn
 
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
     lin = nn.Linear(w.shape[1], w.shape[0], device="meta")
     lin.weight, lin.bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
-    wr = LoraLinear(lin, "row")
+    wr = AdaptedLayer(lin, "row")
     start = 0
     for i, rk in enumerate(ranks):
         wr.add_adapter(f"a{i}", LayerAdapter(f"row.{i}", down=a[start:start + rk], up=bb[:, start:start + rk],

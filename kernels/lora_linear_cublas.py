@@ -109,6 +109,7 @@ registry.register(Backend(OP, "delta_first", lora_linear_delta_first, frozenset(
                           description="delta first (b + h B^T), then the base GEMM accumulating into it"))
 registry.register(Backend(OP, "kconcat_cached", lora_linear_kconcat, frozenset(FLOATS), _DEV,
                           _CAPS | {"cache"}, 26,
-                          description="[x | h] [W | B]^T in one GEMM, [W | B] kept per site"))
+                          description="[x | h] [W | B]^T in one GEMM, [W | B] kept per site",
+                          cache_key="wb", cache_bytes=cached_bytes))
 registry.register(Backend(OP, "kconcat_rebuilt", _kconcat_rebuilt, frozenset(FLOATS), _DEV, _CAPS, 24,
                           description="[x | h] [W | B]^T in one GEMM, [W | B] built per call"))

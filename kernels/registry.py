@@ -10,9 +10,10 @@ real device (Triton importable, the cuBLASLt epilogue computing the tanh GELU, .
   tile in numpy); a named backend is honoured where it is available, else
   `KernelUnavailableError` says why and what to do; an unknown name is a ValueError.
 - `use_backend(name)`: a context in which "auto" resolves to `name` (tests, benches).
+- A fusion site's choice, all here: `candidates(op, requested, device, dtype)` (the backends it
+  may run), `choose(...)` (the one a call runs: forced, named or measured; a backend not chosen
+  drops what it kept in the site's state), `cache_bytes(op, name, state)` (what a backend keeps).
 - `validate(...)`: the argument checks every op shares (shapes, dtypes, scale).
-- `plain_weight_reason(layer)`: why a layer's weight cannot be read by a fused GEMM
-  ('' when it can), judged on the layer a wrapper wraps.
 - `MeasuredChoice`: the per-shape-bucket measured choice among a site's paths (on
   CUDA the first call of a bucket times each path on the real input and keeps the
   fastest; elsewhere the first path, i.e. the highest priority).
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class Backend:
     priority: int
     available: Callable[[torch.device, torch.dtype, bool], str] = _always
     description: str = ""
+    cache_key: str = ""                  # where it keeps state in a site's `state` dict ('' none)
+    cache_bytes: Callable[[dict], int] | None = None   # bytes it keeps there
 
     def why_not(self, device: torch.device, dtype: torch.dtype, auto: bool = False,
                 needs: frozenset = frozenset()) -> str:
@@ -194,6 +196,52 @@ def forced_backend() -> str | None:
     return getattr(_forced, "name", None)
 
 
+# ---- a fusion site's choice
+
+#: The name of a site's eager (unfused) path among its measured choices.
+UNFUSED = "unfused"
+
+
+def candidates(op: str, requested: str, device, dtype) -> tuple[list[str], str]:
+    """(backend names a site asking for `requested` ("auto" or a name) may run on `device` for
+    `dtype`, highest priority first, ''), or ([], why none)."""
+    if requested == "auto":
+        names = [b.name for b in available(op, device, dtype, auto=True)]
+        return names, "" if names else f"no {op} backend runs on {device} for {dtype}"
+    why = get(op, requested).why_not(device, dtype)
+    return ([], why) if why else ([requested], "")
+
+
+def having(op: str, names, capability: str) -> list[str]:
+    """The backends among `names` that have `capability`."""
+    return [n for n in names if capability in get(op, n).capabilities]
+
+
+def choose(op: str, requested: str, paths: dict, device, key: Callable[[], tuple], state: dict,
+           eager: Callable) -> tuple[str, dict | None]:
+    """(name, measured record or None) of the path a site runs this call, among `paths` ({backend
+    name: thunk}, highest priority first): the backend `use_backend` forces when the site has it,
+    the named one (the first), or on an "auto" site the measured choice (`MEASURED`) for this
+    shape bucket `key()` among `paths` and the eager path (`UNFUSED`: `eager`), after which a
+    backend not chosen keeps nothing in the site's `state`."""
+    forced = forced_backend()
+    if forced in paths:
+        return forced, None
+    if requested != "auto":
+        return next(iter(paths)), None
+    name, rec = MEASURED.pick(key(), {**paths, UNFUSED: eager}, device)
+    for b in _BACKENDS.get(op, {}).values():
+        if b.cache_key and b.name != name:
+            state.pop(b.cache_key, None)  # hold no copy for a path this site does not take
+    return name, rec
+
+
+def cache_bytes(op: str, name: str, state: dict) -> int:
+    """Bytes backend `name` keeps in a site's `state` (0 for one that keeps nothing)."""
+    b = _BACKENDS.get(op, {}).get(name)
+    return b.cache_bytes(state) if b is not None and b.cache_bytes is not None else 0
+
+
 # ---- argument checks shared by the ops
 
 def validate(op: str, x, weight, bias, lora_a=None, lora_b=None, scale=None):
@@ -230,32 +278,6 @@ def validate(op: str, x, weight, bias, lora_a=None, lora_b=None, scale=None):
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         return float(scale)
     raise TypeError(f"{op}: scale must be a float or an fp32 [R] tensor, got {type(scale).__name__}")
-
-
-_QUANT_ATTRS = ("scale_weight", "weight_scale", "quant_state", "qweight", "gather_output", "skip_bias_add")
-
-
-def plain_weight_reason(layer: nn.Module) -> str:
-    """'' when a fused GEMM may read this Linear's weight and bias as they are; else why not.
-    A wrapper is judged by the layer it wraps (`get_base_layer()`)."""
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-    if not isinstance(base, nn.Linear):
-        return f"first linear is a {type(base).__name__}"
-    w = base.weight
-    if type(w) not in (torch.Tensor, nn.Parameter):
-        return f"weight is a {type(w).__name__} (quantized/packed)"
-    if w.dtype not in FLOATS:
-        return f"weight dtype {w.dtype}"
-    if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
-        return "weight/bias-function patches (computed at call time)"
-    if getattr(base, "comfy_cast_weights", False):
-        return "weights are cast/offloaded at call time"
-    for attr in _QUANT_ATTRS:
-        if getattr(base, attr, None) not in (None, False):
-            return f"layer has {attr}"
-    if base.bias is not None and base.bias.dtype != w.dtype:
-        return "bias dtype differs from weight dtype"
-    return ""
 
 
 # ---- the measured choice per shape bucket

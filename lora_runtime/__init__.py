@@ -1,7 +1,7 @@
 """lora_runtime: the engine. Pure torch; importable and testable without ComfyUI.
 
 Public API: load_adapter, match_adapter, AdapterSpec, plan, applied, LoraInjector,
-LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors; strength
+AdaptedLayer, DecisionCache, runtime_context, Tier, MergeMode and the errors; strength
 schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
 model_call_context (see `schedule`).
 """
@@ -15,6 +15,7 @@ from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_con
                        sampling_schedules)
 from .settings import (AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode, RestoreMemory, Tier, parse_merge_mode,
                        parse_restore_memory, parse_tier)
-from .layer.wrapper import LoraLinear, mergeable
+from .layer.wrapper import AdaptedLayer
+from .layer.weight_merge import mergeable
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -34,7 +34,7 @@ from .scaling import combined_factor, layer_strength
 from .settings import (DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength, parse_merge_mode,
                        parse_restore_memory, parse_tier)
 from .layer.shared_shrink import group_siblings
-from .layer.wrapper import LoraLinear, attached_wrapper
+from .layer.wrapper import AdaptedLayer, attached_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -183,19 +183,19 @@ class LoraInjector:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.wrappers: dict[str, LoraLinear] = {}
+        self.wrappers: dict[str, AdaptedLayer] = {}
         self.params: dict[str, ParamPatch] = {}
         self.cache = DecisionCache()   # used when `apply` is given none (content-keyed: never stale)
         self.sibling_groups: list = []  # shared_shrink.SiblingGroup of the wrapped q/k/v-style projections
         self.share_shrink = True        # False: each projection its own shrink GEMM (benchmarks' side arm)
 
     # -- attaching (instance forward; the module tree is never changed) -----------------
-    def _wrap(self, name: str) -> LoraLinear:
+    def _wrap(self, name: str) -> AdaptedLayer:
         mod = self.model.get_submodule(name)
         if attached_wrapper(mod) is not None or getattr(mod, "is_lora_wrapper", False):
             raise LoraRuntimeError(f"layer {name!r} already carries another LoRA runtime's adapters; "
                                    "let that sampling finish (or remove it) first")
-        w = LoraLinear(mod, name)
+        w = AdaptedLayer(mod, name)
         w.attach()
         self.wrappers[name] = w
         return w
@@ -330,7 +330,7 @@ class LoraInjector:
         if errors:
             raise errors[0]
 
-    def _merge_all(self, wrappers: list[LoraLinear], wanted, only: set[str] | None = None) -> None:
+    def _merge_all(self, wrappers: list[AdaptedLayer], wanted, only: set[str] | None = None) -> None:
         done = []
         try:
             for w in wrappers:

@@ -26,12 +26,11 @@ Layers no entry selects keep 1.0. The block of a layer is the number after the f
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .settings import STRENGTH_MAX, STRENGTH_MIN
+from .settings import STRENGTH_MAX, STRENGTH_MIN, in_strength_range
 
 INPUT = "blocks"
 _RANGE = re.compile(r"^(?:(?P<family>[A-Za-z_]*blocks|layers)\.)?(?P<lo>\d+)(?:\s*-\s*(?P<hi>\d+))?$")
@@ -174,7 +173,7 @@ def _factor(s: str, entry: str, where: str) -> float:
     except ValueError:
         raise ConfigError(f"{where}: {INPUT} entry {entry!r}: strength {s.strip()!r} is not a number; "
                           f"{SYNTAX}") from None
-    if not math.isfinite(v) or not STRENGTH_MIN <= v <= STRENGTH_MAX:
+    if not in_strength_range(v):
         raise ConfigError(f"{where}: {INPUT} entry {entry!r}: strength {v:g} is out of range; use "
                           f"[{STRENGTH_MIN:g}, {STRENGTH_MAX:g}]")
     return v

@@ -64,7 +64,7 @@ class KeptState:
         """'' when every wrapper is attached and every merged weight is the tensor the merge left
         (same Parameter, storage and in-place write count); else what changed."""
         for name, w in self.injector.wrappers.items():
-            if not w._attached or w.base_layer.__dict__.get("forward") != w.forward:
+            if not w.attached or w.base_layer.__dict__.get("forward") != w.forward:
                 return f"layer {name}: its forward was replaced since"
         for name, (param, ident) in self.weights.items():
             cur = self.injector.wrappers[name].get_base_layer().weight

@@ -10,21 +10,19 @@ Contract
   into a GEMM's alpha or a kernel's per-rank scale; nothing at all when it is 1.0.
 - Products of python floats are taken left to right (fp64 math), so a factor computed here
   in two steps has the same bits wherever it is used.
+`ctx` is the call's runtime context (`layer.runtime_context.RuntimeContext`) or None.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from .settings import Tier
 
-if TYPE_CHECKING:
-    from .layer.runtime_context import RuntimeContext
 
-
-def folds_scales(ctx: "RuntimeContext | None") -> bool:
+def folds_scales(ctx) -> bool:
     """May this call fold the factors into one product? Only inside a non-exact context."""
     return ctx is not None and ctx.tier is not Tier.EXACT
 
@@ -59,7 +57,7 @@ def times(t: torch.Tensor, factor, inplace: bool = False) -> torch.Tensor:
     return _mul(t, inplace)(t, factor)
 
 
-def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: "RuntimeContext | None",
+def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx,
                 inplace: bool = False) -> torch.Tensor:
     """Apply `factors` (ordered: scale, strength, runtime scale) to `delta` per the tier.
 
@@ -69,7 +67,7 @@ def scale_delta(delta: torch.Tensor, factors: tuple[float, ...], ctx: "RuntimeCo
     return apply_steps(delta, factor_steps(factors, ctx), inplace)
 
 
-def factor_steps(factors: tuple[float, ...], ctx: "RuntimeContext | None") -> tuple[float, ...]:
+def factor_steps(factors: tuple[float, ...], ctx) -> tuple[float, ...]:
     """The multiplies `scale_delta` does for `factors` in `ctx`, in order (precomputable once
     per call plan): the folded product in lossless/high, each non-unit factor in exact."""
     if folds_scales(ctx):

@@ -94,12 +94,18 @@ def parse_merge_mode(value) -> MergeMode:
     return _parse(MergeMode, value, "merge mode", DEFAULT_MERGE_MODE)
 
 
+def in_strength_range(value: float) -> bool:
+    """Is `value` a finite strength (or strength multiplier) in [STRENGTH_MIN, STRENGTH_MAX]? The
+    one range check: every input that takes a strength asks here."""
+    return math.isfinite(value) and STRENGTH_MIN <= value <= STRENGTH_MAX
+
+
 def check_strength(value, *, what: str = "strength") -> float:
     try:
         s = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{what} {value!r} is not a number") from None
-    if not math.isfinite(s) or not (STRENGTH_MIN <= s <= STRENGTH_MAX):
+    if not in_strength_range(s):
         raise ConfigError(
             f"{what} {value!r} is out of range: use a value in [{STRENGTH_MIN}, {STRENGTH_MAX}]"
         )

@@ -15,13 +15,12 @@ loader that is not in the chain. The node shows each row's coverage.
 from __future__ import annotations
 
 import json
-import math
 
 from . import host
 from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule
-from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN
+from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, in_strength_range
 from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter
 
 ROW_KEYS = ("on", "lora", "strength", "schedule", "branch", "blocks")
@@ -56,8 +55,7 @@ def parse_rows(text) -> list[dict]:
         if not isinstance(lora, str) or not lora.strip():
             raise LoraRuntimeError(f"{where}: pick a LoRA file (lora is {lora!r})")
         strength = r.get("strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
-                or not STRENGTH_MIN <= strength <= STRENGTH_MAX:
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not in_strength_range(strength):
             raise LoraRuntimeError(f"{where} ({lora}): strength {strength!r} is not a number in "
                                    f"[{STRENGTH_MIN}, {STRENGTH_MAX}]")
         schedule = r.get("schedule", "")

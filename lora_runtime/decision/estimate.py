@@ -16,7 +16,7 @@ Contract
   the update (and of the earlier merges' moves) lets reach it. Past SAMPLE_ELEMENTS such elements, or
   a quarter of the rows, every row is held. With stochastic rounding the sample is one draw of the
   merge's rounding, not the whole merge's own draw.
-- Any other quantized weight: every row, re-quantized whole (`LoraLinear.grid_round`).
+- Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ names in plan order, which is merge order):
 - An adapter whose strength changes over the steps or per CFG branch (`varying`, see
   `schedule`) stays dynamic in ``auto`` (the reason says why) and is refused by ``merge``:
   a merge would have to be redone at every change.
-- In every mode, layers the host refuses (`LoraLinear.merge_refusal`) stay dynamic for
+- In every mode, layers the host refuses (`AdaptedLayer.merge_refusal`) stay dynamic for
   every adapter (`kept_dynamic`).
 
 The actual merge folds the merged adapters of a layer with one rounding
@@ -40,7 +40,8 @@ from ..errors import ConfigError, MergeRefusedError
 from ..layer.base_weight import float_view, quant_layout, stored_tensors
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
-from ..layer.wrapper import LoraLinear, mergeable
+from ..layer.wrapper import AdaptedLayer
+from ..layer.weight_merge import mergeable
 from .estimate import MAX_SAMPLE_ROWS, SequentialEstimate
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class MergeDecision:
     layers: int
     cached: bool = False
     threshold: float = AUTO_MERGE_MAX_ROUNDING_LOSS
-    # layers the host will not let us merge into right now (see LoraLinear.merge_refusal):
+    # layers the host will not let us merge into right now (see AdaptedLayer.merge_refusal):
     # they stay dynamic whatever is chosen for the rest; layer name -> reason
     kept_dynamic: dict = field(default_factory=dict)
     adapters: list[AdapterDecision] = field(default_factory=list)
@@ -114,12 +115,12 @@ class DecisionCache:
         table[key] = value
 
 
-def _slot(w: LoraLinear, name: str):
+def _slot(w: AdaptedLayer, name: str):
     s = w.slots.get(name)
     return s if s is not None and s.contributes and s.has_weight_delta else None
 
 
-def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None = None) -> tuple | None:
+def _adapter_key(wrappers: list[AdaptedLayer], name: str, weight_keys: dict | None = None) -> tuple | None:
     """What a measurement of adapter `name` on `wrappers` depends on, by content: per layer the
     weight's content key (dtype, shape, device, checksums of its bits: `merge.content_key`),
     the adapter file's digest, the layer stem, strength and alpha, and whether the merge folds
@@ -141,7 +142,7 @@ def _adapter_key(wrappers: list[LoraLinear], name: str, weight_keys: dict | None
     return tuple(parts)
 
 
-def _weight_key(w: LoraLinear) -> tuple:
+def _weight_key(w: AdaptedLayer) -> tuple:
     """The content key of `w`'s weight: a quantized one by its layout, stored bytes and scales
     (read as stored, never dequantized), a float one by its values."""
     q = w.get_base_layer().weight
@@ -150,7 +151,7 @@ def _weight_key(w: LoraLinear) -> tuple:
     return (content_key(w.weight2d), None)
 
 
-def _cannot_overflow(w: LoraLinear, s) -> bool:
+def _cannot_overflow(w: AdaptedLayer, s) -> bool:
     """Can slot `s` never take a weight of `w`'s dtype past its largest finite value, whatever
     the weight? Round-to-nearest of ``W + dW`` stays finite when ``|dW|`` is below half an ulp
     at the top of the dtype's range (fp16: 16, bf16: 2**119); for a low-rank pair (``stack()``) ``|dW|`` is at
@@ -167,13 +168,13 @@ def _cannot_overflow(w: LoraLinear, s) -> bool:
     return bound * 1.01 < half_ulp_top  # margin for the fp32 roundings of the delta and of the bound
 
 
-def _float_dtype(w: LoraLinear) -> torch.dtype | None:
+def _float_dtype(w: AdaptedLayer) -> torch.dtype | None:
     """The dtype of `w`'s weight when it is stored as floats (`float_view`), else None."""
     v = float_view(w.get_base_layer().weight)
     return None if v is None else v.dtype
 
 
-def _own_refused(rest: list[LoraLinear], names: list[str], refused: dict[str, str]) -> dict:
+def _own_refused(rest: list[AdaptedLayer], names: list[str], refused: dict[str, str]) -> dict:
     """adapter -> (its first layer that cannot take a merge, why, how many of its layers cannot)."""
     out = {}
     for a in names:
@@ -183,7 +184,7 @@ def _own_refused(rest: list[LoraLinear], names: list[str], refused: dict[str, st
     return out
 
 
-def measure_share_lost(wrappers: list[LoraLinear], max_rows: int = MAX_SAMPLE_ROWS) -> float:
+def measure_share_lost(wrappers: list[AdaptedLayer], max_rows: int = MAX_SAMPLE_ROWS) -> float:
     """Share of the combined update of every contributing slot a merge would round away
     (one rounding of the sum, as the merge does). Used for a single adapter's layers."""
     err = ref = 0.0
@@ -198,7 +199,7 @@ OFF = "off"
 OFF_REASON = "off (strength 0)"
 
 
-def _off(wrappers: list[LoraLinear], order: list[str], counts: dict[str, int]) -> list[AdapterDecision]:
+def _off(wrappers: list[AdaptedLayer], order: list[str], counts: dict[str, int]) -> list[AdapterDecision]:
     """Adapters on these layers that add nothing at all (strength 0 everywhere): not merged,
     not run, and said so, instead of vanishing from the decision."""
     out = []
@@ -228,7 +229,7 @@ def _summary(mode: MergeMode, adapters: list[AdapterDecision], n: int, soft: dic
     return MergeDecision(mode.value, chosen, share, reason, n, cached, kept_dynamic=soft, adapters=adapters)
 
 
-def decide(mode: MergeMode, wrappers: list[LoraLinear], cache: DecisionCache | None = None,
+def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache | None = None,
            order: list[str] | None = None, varying: dict[str, str] | None = None) -> MergeDecision:
     """`varying`: adapter name -> why its strength changes over the run or per branch
     (`schedule.varies`); such adapters stay dynamic in auto and are refused by merge."""

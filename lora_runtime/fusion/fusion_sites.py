@@ -30,7 +30,7 @@ Guards
   which, with the times, and which backend each route ran): a fused kernel that loses to
   cuBLAS on this GPU is not used. `use_backend(name)` forces a backend on "auto" sites.
 - call time (live): the fused path runs only inside a non-exact runtime context,
-  with matching dtype/device; and the layer's adapters (the LoraLinear attached to
+  with matching dtype/device; and the layer's adapters (the AdaptedLayer attached to
   it, see wrapper.attach) are asked whether they add output now
   (`lora_active`). Inactive (disabled, or merged without offset): the base fused
   epilogue, since the weight already holds any update. Active dynamic adapter: the
@@ -60,12 +60,10 @@ from ...kernels import linear_gelu_tanh, lora_linear, registry
 from ...kernels.launch_configs import m_bucket
 from ...kernels.linear_gelu_tanh import linear_gelu_tanh_torch
 from ...kernels.lora_linear import lora_linear_torch
-from ...kernels.lora_linear_cublas import cached_bytes
 from .fusion_registry import FUSIONS
-from ..layer import stacking
-from ..layer.base_weight import gguf_type, packed_reason
+from ..layer.base_weight import fused_read_reason, wrapped
+from ..layer.stacking import unfusable_reason
 from ..layer.runtime_context import current_context
-from ..scaling import combined_factor
 from ..settings import Tier, parse_tier
 from ..layer.wrapper import attached_wrapper
 
@@ -116,7 +114,7 @@ def find_sites(model: nn.Module) -> list[SiteSpec]:
 
 
 def lora_wrapper(fc1: nn.Module):
-    """The adapters on this layer: an attached LoraLinear, or the layer itself when it is one."""
+    """The adapters on this layer: an attached AdaptedLayer, or the layer itself when it is one."""
     if getattr(fc1, "is_lora_wrapper", False):
         return fc1
     return attached_wrapper(fc1)
@@ -125,63 +123,24 @@ def lora_wrapper(fc1: nn.Module):
 def _is_linear_like(m) -> bool:
     if m is None:
         return False
-    base = m.get_base_layer() if hasattr(m, "get_base_layer") else m
-    return isinstance(base, nn.Linear)
+    return isinstance(wrapped(m), nn.Linear)
 
 
 def lora_factors(lw, x: torch.Tensor):
-    """The factors of the adapters live on this layer for this call: (A [R, K], B [N, R],
-    scale) with scale a float, an fp32 [R] per-rank vector, or (a per-branch adapter in a
-    batched CFG call) an fp32 [M, R] per-row-and-rank matrix over x's M flattened rows;
-    strength, schedule factor, runtime scale and row mask all in it. None when some live
-    update cannot be fused (`lw.unfusable_reason()` says why). The one place fused paths
-    read adapter factors."""
-    st = lw.stack(x.device, x.dtype)
-    if st is not None or not lw.call_has_row_mask():
-        return st
-    return _row_scaled_factors(lw, x)
-
-
-def _row_scaled_factors(lw, x: torch.Tensor):
-    """`LoraLinear.stack`'s factors with the CFG row masks folded into an [M, R] scale."""
-    ctx = current_context()
-    live, offsets = lw._call_plan()
-    if not live or offsets or lw.is_conv or any(not s.stackable for s in live):
-        return None
-    f = {s.name: lw.call_factor(s, ctx) for s in live}
-    live = [s for s in live if f[s.name][0] != 0.0]
-    if not live:
-        return None
-    a, bt, _, _ = stacking.stacked_pair(lw, x.device, x.dtype, live)
-    rows = x.numel() // x.shape[-1]
-    cols = []
-    for s in live:
-        rs, mask = f[s.name]
-        per_row = torch.full((rows,), combined_factor(s.update.scale, s.strength, rs), dtype=torch.float32,
-                             device=x.device)
-        if mask is not None:
-            m = stacking.row_mask(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
-            per_row = per_row * m
-        cols.append(per_row[:, None].expand(rows, stacking.rank_of(s)))
-    return a, bt.t(), torch.cat(cols, 1)
+    """The factors of the adapters live on this layer for this call (`AdaptedLayer.fused_factors`:
+    read off the layer's call plan, built once per plan). The one place fused paths read
+    adapter factors."""
+    return lw.fused_factors(x)
 
 
 def static_guard(fc1: nn.Module) -> tuple[bool, str]:
-    """Judge the layer a wrapper wraps; never the wrapper's forwarded attributes alone. A weight
-    read through its layer (`base_weight`: packed, quantized, GGUF of any type, whose layer
-    dequantizes and patches it per call) is not handed to a fused GEMM."""
-    base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
-    w = getattr(base, "weight", None)
-    why = ""
-    if gguf_type(w) is not None:
-        why = packed_reason(w) or f"weight is GGUF {gguf_type(w)}"
-        why += ": its layer reads it per call (get_weight)"
-    if not why:
-        why = registry.plain_weight_reason(fc1)
+    """Judge the layer a wrapper wraps (`base_weight.fused_read_reason`): a weight read through
+    its layer (packed, quantized, GGUF of any type) is not handed to a fused GEMM."""
+    why = fused_read_reason(fc1)
     return not why, why
 
 
-UNFUSED = "unfused"
+UNFUSED = registry.UNFUSED
 _KIND = {"linear_gelu_tanh": "base", "lora_linear": "lora"}
 
 
@@ -227,22 +186,16 @@ class MountedSite:
 
     def _base(self):
         fc1 = self.spec.fc1()
-        return fc1, (fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1)
+        return fc1, wrapped(fc1)
 
     def plan(self) -> str:
         """The backends each op may run on this site's device and dtype; '' or why none."""
         _, base = self._base()
         w = base.weight
         for op, req in self.requested.items():
-            if req == "auto":
-                names = [b.name for b in registry.available(op, w.device, w.dtype, auto=True)]
-                if not names:
-                    return f"no {op} backend runs on {w.device} for {w.dtype}"
-            else:
-                why = registry.get(op, req).why_not(w.device, w.dtype)
-                if why:
-                    return why
-                names = [req]
+            names, why = registry.candidates(op, req, w.device, w.dtype)
+            if why:
+                return why
             self.candidates[op] = names
         return ""
 
@@ -293,7 +246,7 @@ class MountedSite:
         return self._routed(fc1, x, ctx)
 
     def _routed(self, fc1: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
-        base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+        base = wrapped(fc1)
         w, b = base.weight, base.bias
         if (x.dtype != w.dtype or x.device != w.device or getattr(base, "weight_function", None)
                 or x.shape[-1] != w.shape[1]):
@@ -306,7 +259,7 @@ class MountedSite:
                     a, bmat, scale = st
                     names = self.candidates["lora_linear"]
                     if isinstance(scale, torch.Tensor) and scale.dim() == 2:  # per-branch rows
-                        names = [be for be in names if "row_scale" in registry.get("lora_linear", be).capabilities]
+                        names = registry.having("lora_linear", names, "row_scale")
                         if not names:
                             return self.unfused(fc1, x, "unfused (a per-branch adapter in a CFG batch: "
                                                         f"{'/'.join(self.candidates['lora_linear'])} take a "
@@ -315,7 +268,7 @@ class MountedSite:
                                                             state=self.state))
                              for be in names}
                     return self._run("lora_fused", "lora_linear", x, w, a.shape[0], paths, fc1)
-                return self.unfused(fc1, x, f"unfused ({lw.unfusable_reason()})")
+                return self.unfused(fc1, x, f"unfused ({unfusable_reason(lw)})")
             return self.unfused(fc1, x)
         if "linear_gelu_tanh" in self.fusions:
             paths = {be: (lambda be=be: linear_gelu_tanh(x, w, b, backend=be))
@@ -324,28 +277,21 @@ class MountedSite:
         return self.unfused(fc1, x)
 
     def _run(self, route: str, op: str, x, w, rank: int, paths: dict, fc1) -> torch.Tensor:
-        """Run the backend chosen for this call: a forced one (`use_backend`), the named
-        one, or on an "auto" site the measured choice of this shape bucket (CUDA)."""
-        forced = registry.forced_backend()
-        if forced in paths:
-            name = forced
-        elif self.requested[op] != "auto":
-            name = next(iter(paths))
-        else:
-            kind = _KIND[op]
-            key = (str(x.device), str(x.dtype), kind, tuple(w.shape), rank, m_bucket(x.numel() // x.shape[-1]))
-            name, rec = registry.MEASURED.pick(key, {**paths, UNFUSED: lambda: self._eager(fc1, x)}, x.device)
-            if rec is not None:
-                self.speed[f"{kind} M<={key[-1]} R={rank}"] = rec
-            if name != "kconcat_cached":
-                self.state.pop("wb", None)  # hold no weight copy for a path this site does not take
-            if name == UNFUSED:
-                return self.unfused(fc1, x, "unfused (measured faster here)")
+        """Run the backend `registry.choose` picks for this call (forced, named, or measured per
+        shape bucket on an "auto" site)."""
+        kind = _KIND[op]
+        key = lambda: (str(x.device), str(x.dtype), kind, tuple(w.shape), rank,  # noqa: E731
+                       m_bucket(x.numel() // x.shape[-1]))
+        name, rec = registry.choose(op, self.requested[op], paths, x.device, key, self.state,
+                                    lambda: self._eager(fc1, x))
+        if rec is not None:
+            self.speed[f"{kind} M<={m_bucket(x.numel() // x.shape[-1])} R={rank}"] = rec
+        if name == UNFUSED:
+            return self.unfused(fc1, x, "unfused (measured faster here)")
         self.routes[route] += 1
         self.ran[f"{route}:{name}"] += 1
         y = paths[name]()
-        if name == "kconcat_cached":
-            self.cache_bytes = max(self.cache_bytes, cached_bytes(self.state))
+        self.cache_bytes = max(self.cache_bytes, registry.cache_bytes(op, name, self.state))
         return y
 
     @staticmethod
@@ -412,7 +358,7 @@ def mount_fusions(model: nn.Module, tier, backend: str | dict = "auto",
         fc1 = spec.fc1()
         ok, why = static_guard(fc1)
         if ok and "auto" in requested.values():
-            base = fc1.get_base_layer() if hasattr(fc1, "get_base_layer") else fc1
+            base = wrapped(fc1)
             if not registry.MEASURED.measures(base.weight.device):
                 ok, why = False, (f"no CUDA device: fused paths are chosen by timing them against eager "
                                   f"on CUDA; on {base.weight.device.type} eager runs")

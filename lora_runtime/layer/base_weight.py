@@ -20,6 +20,13 @@ Contract
   ``out_features`` and a weight of that logical shape, such as ComfyUI's mixed-precision
   Linear), 'conv' for convolutions, 'norm' for 1-D weights/biases, else '' and the reason
   naming the class.
+- `wrapped(layer)`: the layer an adapted layer wraps (`get_base_layer()`), or the layer itself.
+- `float_weight_reason(layer)`: '' when the weight is plain float values of its real shape the
+  layer uses as stored (no packing, weight-function patches or scale/quantization attributes
+  ``QUANT_ATTRS``); else why not. `fused_read_reason(layer)`: the same question for a fused GEMM
+  that reads a Linear's weight and bias itself (also no GGUF tensor, on-the-fly cast, sharding
+  attributes ``SHARD_ATTRS``, or bias of another dtype).
+- `weight_identity(t)`: equal only while nothing replaced `t` or wrote into it through torch.
 - `base_weight(layer)`: the weight the layer multiplies with, as a `BaseWeight`: the
   float view (``writable``: a merge may write into it) or, for a packed / scaled /
   patched weight, the host's own dequantization in fp32 (``writable`` False): a
@@ -162,21 +169,73 @@ class BaseWeight:
 
 def weight_identity(t: torch.Tensor) -> tuple:
     """Equal only while nothing replaced `t` or wrote into it through torch (storage, write count,
-    dtype, device, shape; a quantized tensor: those of its stored bytes and scales)."""
+    dtype, device, shape, strides; a quantized tensor: those of its stored bytes and scales). An
+    inference tensor keeps no write count."""
     if quant_layout(t) is not None:  # the stored bytes and scales live in the inner tensors
         return ("quantized", quant_layout(t), *(weight_identity(v) for v in stored_tensors(t)))
     try:
         version = t._version
     except RuntimeError:
         version = "inference"
-    return (t.data_ptr(), version, str(t.dtype), str(t.device), real_shape(t))
+    return (t.data_ptr(), version, str(t.dtype), str(t.device), real_shape(t), tuple(t.stride()))
+
+
+def wrapped(layer: nn.Module) -> nn.Module:
+    """The layer an adapted layer wraps (`get_base_layer()`), else `layer` itself."""
+    return layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+
+
+#: Attributes of a layer whose weight is rescaled or dequantized per call (not used as stored).
+QUANT_ATTRS = ("scale_weight", "weight_scale", "quant_state", "qweight")
+#: Attributes of a tensor-parallel Linear: a fused GEMM would see one shard.
+SHARD_ATTRS = ("gather_output", "skip_bias_add")
+_FUSED_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def float_weight_reason(layer: nn.Module) -> str:
+    """'' when the (wrapped) layer's weight is plain float values it uses as stored; else why not."""
+    base = wrapped(layer)
+    why = packed_reason(base.weight)
+    if why:
+        return why
+    if getattr(base, "weight_function", None):
+        return "weight has weight-function patches"
+    for attr in QUANT_ATTRS:
+        if getattr(base, attr, None) is not None:
+            return f"weight is scaled/quantized ({attr})"
+    return ""
+
+
+def fused_read_reason(layer: nn.Module) -> str:
+    """'' when a fused GEMM may read this (wrapped) Linear's weight and bias as they are; else why
+    not. A GGUF weight of any type is read per call by its layer (get_weight): never handed over."""
+    base = wrapped(layer)
+    w = getattr(base, "weight", None)
+    if gguf_type(w) is not None:
+        return (packed_reason(w) or f"weight is GGUF {gguf_type(w)}") + ": its layer reads it per call (get_weight)"
+    if not isinstance(base, nn.Linear):
+        return f"first linear is a {type(base).__name__}"
+    if type(w) not in (torch.Tensor, nn.Parameter):
+        return f"weight is a {type(w).__name__} (quantized/packed)"
+    if w.dtype not in _FUSED_FLOATS:
+        return f"weight dtype {w.dtype}"
+    if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
+        return "weight/bias-function patches (computed at call time)"
+    if getattr(base, "comfy_cast_weights", False):
+        return "weights are cast/offloaded at call time"
+    for attr in QUANT_ATTRS + SHARD_ATTRS:
+        if getattr(base, attr, None) not in (None, False):
+            return f"layer has {attr}"
+    if base.bias is not None and base.bias.dtype != w.dtype:
+        return "bias dtype differs from weight dtype"
+    return ""
 
 
 @torch.no_grad()
 def base_weight(layer: nn.Module) -> BaseWeight:
     """The weight `layer` multiplies with (see module doc). A wrapper is judged by the layer
     it wraps (`get_base_layer`)."""
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    base = wrapped(layer)
     w = base.weight
     if w is None:
         raise ValueError(f"{type(base).__name__} has no weight")

@@ -1,46 +1,61 @@
-"""What one adapted call of a `LoraLinear` does, decided once and reused.
+"""The call plan: what one adapted call adds, decided once per (slot state, context, device, dtype).
 
 Contract
-- `build(lw, ctx, device, dtype)`: a `CallPlan` for calls in context `ctx` with inputs on
-  `device`/`dtype`, valid until the wrapper's slot state changes (the wrapper drops its plans
-  then). Its ``run(x, y)`` adds this call's adapter output to the base output `y`, with the
-  same ops in the same order as the general path (`LoraLinear._forward_general`), so every
-  tier gives the same bits; ``run`` None: the call adds nothing.
-- `build_trace_plan(lw)` (via `LoraLinear.prepare_trace`, after each state transition): what a
-  compiled (traced) call reads: tensors only, the factors as fp32 0-d tensors (slot factor, and
-  the adapter's `AdapterCell` for the runtime factor and row mask). stack() pairs ride as pairs;
-  every other update as its trace form (`updates.trace_forms`: LoKr, LoHa, full deltas, DoRA,
-  sliced updates of those).
-  Convolutions ride as their kernel delta (a `conv` form). `traced_forward` uses it, or the
-  general path when there is none (a DoRA whose base output the host patches per call).
-Design and numerics: docs/engine.md (call plans, torch.compile).
+- `build(layer, ctx, device, dtype)`: a `CallPlan`, valid until the layer's slot state changes
+  (the layer drops its plans then). Every eager route reads it:
+  - ``selection``: `general_path.select(layer, ctx)`, the slots this call adds and their
+    factors;
+  - ``run(x, y)``: adds this call's adapter output to the base output `y`, with the same ops
+    in the same order as `general_path.forward_general`, so every tier gives the same bits;
+    None: the call adds nothing;
+  - ``fused(x)``: what a LoRA-aware fused kernel takes for this call (`stacking.fused_factors`,
+    or with per-branch rows `stacking.row_scaled_factors`), built once per plan.
+A compiled call cannot read the context: it reads `traced` factors (built per slot state), whose
+fallback is the same selection.
+`layer` is an adapted layer (`wrapper.AdaptedLayer`); only its public members are read.
+Design and numerics: docs/engine.md (call plans).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, per_rank, times
+from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, times
 from . import stacking
-from ..updates.trace_forms import cast_form, form_dtype, form_out, needs_base_output
 from .base_weight import real_shape
-from .runtime_context import adapter_cell, current_context
-from .stacking import can_add_inplace, row_mask
+from .general_path import forward_general, select
+from .stacking import can_add_inplace
 
-if TYPE_CHECKING:
-    from .wrapper import LoraLinear
-
-
-_COMPUTE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_UNBUILT = object()
 
 
 class CallPlan:
-    __slots__ = ("ctx", "device", "dtype", "run")
+    """See the module contract. `fused` and its per-row variants are built on first use."""
+    __slots__ = ("layer", "ctx", "device", "dtype", "selection", "run", "_fused", "_row_mask", "_rows")
 
-    def __init__(self, ctx, device, dtype, run):
-        self.ctx, self.device, self.dtype, self.run = ctx, device, dtype, run
+    def __init__(self, layer, ctx, device, dtype, selection, run):
+        self.layer, self.ctx, self.device, self.dtype = layer, ctx, device, dtype
+        self.selection, self.run = selection, run
+        self._fused, self._row_mask, self._rows = _UNBUILT, None, {}
+
+    def fused(self, x: torch.Tensor):
+        """(A [R, K], B [N, R], scale) for a fused kernel on `x`: scale a float, an fp32 [R] per-rank
+        vector or (a per-branch adapter in a batched CFG call) an fp32 [M, R] per-row-and-rank
+        matrix over x's M flattened rows; strength, schedule factor, runtime scale and row mask
+        all in it. None when some live update cannot be fused (`unfusable_reason`)."""
+        st = self._fused
+        if st is _UNBUILT:
+            st = self._fused = stacking.fused_factors(self.layer, self.ctx, self.device, self.dtype)
+            self._row_mask = self.layer.call_has_row_mask(self.ctx)
+        if st is not None or not self._row_mask:
+            return st
+        key = tuple(x.shape[:-1])
+        st = self._rows.get(key, _UNBUILT)
+        if st is _UNBUILT:
+            if len(self._rows) >= 8:
+                self._rows.clear()
+            st = self._rows[key] = stacking.row_scaled_factors(self.layer, self.ctx, x)
+        return st
 
 
 def _stacked(a, bt, vec, alpha, share=None):
@@ -133,19 +148,20 @@ class _Exact:
 
 
 class _General:
-    __slots__ = ("lw", "ctx", "dyn", "offsets", "f")
+    __slots__ = ("lw", "ctx", "selection")
 
-    def __init__(self, lw, ctx, dyn, offsets, f):
-        self.lw, self.ctx, self.dyn, self.offsets, self.f = lw, ctx, dyn, offsets, f
+    def __init__(self, lw, ctx, selection):
+        self.lw, self.ctx, self.selection = lw, ctx, selection
 
     def __call__(self, x, y):
-        return self.lw._forward_general(x, y, self.ctx, self.dyn, self.offsets, self.f)
+        return forward_general(self.lw, x, y, self.ctx, self.selection)
 
 
-def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
-    dyn, offsets, f = lw._call_selection(ctx)
+def build(lw, ctx, device, dtype) -> CallPlan:
+    selection = select(lw, ctx)
+    dyn, offsets, f = selection
     if not dyn and not offsets:
-        return CallPlan(ctx, device, dtype, None)
+        return CallPlan(lw, ctx, device, dtype, selection, None)
     simple = not offsets and not lw.is_conv and all(f[s.name][1] is None for s in dyn)
     plain = simple and all(s.stackable and not s.update.needs_base_output for s in dyn)
     run = None
@@ -153,7 +169,7 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
         f0 = f[dyn[0].name]
         if all(f[s.name] == f0 for s in dyn):  # uniform: the general path's add_stacked
             a, bt, factor, vec = stacking.stacked_pair(lw, device, dtype, dyn)
-            sib = getattr(lw, "_sibling", None)
+            sib = lw.sibling
             share = None if sib is None else (sib[0], sib[1], ctx)
             if vec is None:
                 run = _stacked(a, bt, None, combined_factor(factor, f0[0]), share)
@@ -170,133 +186,5 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
         if segs is not None:
             run = _segmented(segs, real_shape(lw.weight)[0])
     if run is None:
-        run = _General(lw, ctx, dyn, offsets, f)
-    return CallPlan(ctx, device, dtype, run)
-
-
-# --- compiled calls --------------------------------------------------------------------------
-class TracePlan:
-    """Per live stack() slot (A [r, in], B [out, r], slot factor fp32 0-d, AdapterCell); per other
-    live slot (trace-form kind, tensors, slot factor fp32 0-d, AdapterCell); per enabled slot
-    with an output offset (diff_b fp32 [out], strength fp32 0-d, AdapterCell), on `device`.
-    `base_bias`: what a form that reads the base output (DoRA) subtracts from the call's output
-    to get x Wᵀ (None: the layer has no bias); `needs_y0`: some form reads it."""
-    __slots__ = ("device", "slots", "offsets", "layer", "forms", "needs_y0", "base_bias")
-
-    def __init__(self, device, slots, layer, offsets=(), forms=(), base_bias=None):
-        self.device, self.slots, self.offsets, self.layer = device, slots, offsets, layer
-        self.forms, self.base_bias = forms, base_bias
-        self.needs_y0 = any(needs_base_output(f[0]) for f in forms)
-
-
-def _trace_pair(s, device, dtype):
-    """(A [R, in], B [out, R], k) of one live slot for a traced call, k its scale x strength as
-    fp32 (0-d, or [R] per rank for a sliced update: its parts' A's stacked, their B's placed in
-    their row blocks of a zero [out, R] B); None when the update is not made of stack() pairs."""
-    v = s.update
-    if v.needs_base_output:
-        return None
-    if v.kind == "sliced":
-        parts = [(lo, hi, p.stack(device, dtype or p.stack()[0].dtype)) for lo, hi, p in v.parts]
-        if any(st is None for _, _, st in parts) or any(p.needs_base_output for _, _, p in v.parts):
-            return None
-        a = torch.cat([st[0] for _, _, st in parts], 0)
-        b = a.new_zeros(v.out_features, a.shape[0])
-        r0 = 0
-        for lo, hi, (pa, pb, _) in parts:
-            b[lo:hi, r0:r0 + pa.shape[0]] = pb
-            r0 += pa.shape[0]
-        k = per_rank((st[0].shape[0], combined_factor(st[2], s.strength)) for _, _, st in parts).to(device)
-        return a, b, k
-    st = v.stack()
-    if st is None:
-        return None
-    a, b, scale = v.stack(device, dtype or st[0].dtype)
-    return a, b, torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
-
-
-def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
-    """Built after a state transition (outside any trace). Enabled, unmerged slots count even at
-    strength 0 (a factor of 0 then), so a strength change never changes what a trace reads; an
-    output offset is added per call, merged or not (the merge writes the weight only). None
-    (compiled calls take the general path, which reads the context and breaks the graph) when a
-    live slot has neither a stack() pair (`_trace_pair`) nor a trace form, a form reads the base
-    output and the host patches the weight or bias per call, or a convolution's update needs the
-    weight. A convolution's slot is its dense kernel delta (times scale), convolved like the layer."""
-    enabled = [s for s in lw.slots.values() if s.enabled]
-    live = [s for s in enabled if not s.merged and s.has_weight_delta]
-    offs = [s for s in enabled if s.update.diff_b is not None]
-    if not live and not offs:
-        return TracePlan(None, (), lw.layer_name)
-    w = lw.weight
-    if w is None or w.is_meta:
-        return None
-    device = w.device
-    slots, forms = [], []
-    conv = lw.get_base_layer() if lw.is_conv else None
-    for s in live:
-        if conv is not None:  # the eager path's dense kernel, without the strength
-            if s.update.needs_weight:
-                return None
-            kern = s.update.delta(device, torch.float32).reshape(real_shape(conv.weight))
-            geometry = (conv.stride, conv.padding, conv.dilation, conv.groups)
-            forms.append(("conv", (kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
-                          torch.tensor(float(s.strength), dtype=torch.float32, device=device),
-                          adapter_cell(s.name, device)))
-            continue
-        # the weight's dtype when it is a compute dtype (the usual case: the eager path's copy is
-        # shared), else (fp8/int weights cast per call) the adapter's own; a traced call casts to x's
-        pair = _trace_pair(s, device, w.dtype if w.dtype in _COMPUTE else None)
-        if pair is not None:
-            slots.append((*pair, adapter_cell(s.name, device)))
-            continue
-        form = s.update.trace_form(device, w.dtype if w.dtype in _COMPUTE else torch.float32,
-                                   weight=lw.dense_weight if s.update.needs_weight else None)
-        if form is None:
-            return None
-        kind, tensors, scale = form
-        k = torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
-        forms.append((kind, tensors, k, adapter_cell(s.name, device)))
-    base_bias = None
-    if any(needs_base_output(f[0]) for f in forms):
-        ok, base_bias = lw.base_bias_to_subtract()
-        if not ok:
-            return None
-    spatial = [1] * (len(real_shape(conv.weight)) - 2) if conv is not None else []  # [C] -> [C, 1, ...]
-    offsets = tuple((s.update.bias_delta(device, torch.float32).reshape(-1, *spatial),
-                     torch.tensor(float(s.strength), dtype=torch.float32, device=device),
-                     adapter_cell(s.name, device)) for s in offs)
-    return TracePlan(device, tuple(slots), lw.layer_name, offsets, tuple(forms), base_bias)
-
-
-def traced_forward(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A compiled call: y + sum_i ((x A_i^T) * k_i * c_i [* row mask_i]) B_i^T + sum_f form_f(x) *
-    k_f * c_f [* row mask_f] + sum_j diff_b_j * strength_j * c_j [* row mask_j], every factor an
-    fp32 tensor read from the trace plan (in place updates never re-trace)."""
-    tp = lw._trace_plan
-    if tp is None or (tp.device is not None and tp.device != x.device):
-        ctx = current_context()
-        return lw._forward_general(x, y, ctx, *lw._call_selection(ctx))
-    y0 = None
-    if tp.needs_y0:  # x Wᵀ, read off the base output before anything is added to it
-        y0 = y if tp.base_bias is None else y - tp.base_bias.to(y.dtype)
-    for kind, t, k, cell in tp.forms:
-        if form_dtype(kind, t) != x.dtype:
-            t = cast_form(kind, t, x.dtype)
-        o = form_out(kind, t, x, y0)
-        o = (o.float() * (k * cell.factor)).to(o.dtype)
-        if cell.mask is not None:
-            o = o * row_mask(cell.mask, o, tp.layer)
-        y = y + o
-    for a, b, k, cell in tp.slots:
-        if a.dtype != x.dtype:
-            a, b = a.to(x.dtype), b.to(x.dtype)
-        h = F.linear(x, a)
-        h = (h.float() * (k * cell.factor)).to(h.dtype)
-        if cell.mask is not None:
-            h = h * row_mask(cell.mask, h, tp.layer)
-        y = y + F.linear(h, b)
-    for off, k, cell in tp.offsets:
-        o = (off * (k * cell.factor)).to(y.dtype)
-        y = y + (o if cell.mask is None else o * row_mask(cell.mask, y, tp.layer))
-    return y
+        run = _General(lw, ctx, selection)
+    return CallPlan(lw, ctx, device, dtype, selection, run)

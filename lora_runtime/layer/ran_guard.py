@@ -11,7 +11,7 @@ Contract
   before the call, in condition processing, counts as run. A watched layer (one with a dynamic adapter or an output offset) whose forward did
   not run is handled per layer:
   - its host applies cast-time patches (``weight_function``): its adapters move into one
-    (`LoraLinear.patch_at_cast`: W + delta, as the host's own LoRA) and the call runs again; a
+    (`AdaptedLayer.patch_at_cast`: W + delta, as the host's own LoRA) and the call runs again; a
     patch the host then applied is a bypass, handled ("applied at cast time"); a layer whose
     patch was not read did not run at all, and is put back as it was ("did not run");
   - a bypassed layer whose adapters cannot ride a cast-time patch stops the run, naming it;

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from .runtime_context import runtime_context
-from ..settings import STRENGTH_MAX, STRENGTH_MIN
+from ..settings import STRENGTH_MAX, STRENGTH_MIN, in_strength_range
 
 
 class Branch(str, enum.Enum):
@@ -176,7 +176,7 @@ def parse_strength_list(value, *, where: str = "Load LoRA Adapter", what: str = 
     for i, v in enumerate(value):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ConfigError(f"{where}: {what} value {i + 1} ({v!r}) is not a finite number")
-        if not STRENGTH_MIN <= v <= STRENGTH_MAX:
+        if not in_strength_range(v):
             raise ConfigError(f"{where}: {what} value {i + 1} ({v:g}) is out of range; use multipliers in "
                               f"[{STRENGTH_MIN:g}, {STRENGTH_MAX:g}]")
         vals.append(float(v))
@@ -367,7 +367,7 @@ def _number(s: str, where: str, src: str, what: str) -> float:
 
 
 def _check_value(v: float, where: str, what: str) -> None:
-    if not STRENGTH_MIN <= v <= STRENGTH_MAX:
+    if not in_strength_range(v):
         raise ConfigError(f"{where}: strength_schedule {what}: {v:g} is out of range; use multipliers in "
                           f"[{STRENGTH_MIN:g}, {STRENGTH_MAX:g}]")
 

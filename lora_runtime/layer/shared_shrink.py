@@ -3,7 +3,7 @@
 Contract
 - `group_siblings(wrappers)` puts the wrapped projections of one module whose leaf names are
   q/k/v-style (`q`, `to_k`, `add_v_proj`, `k_img`, ...) and whose inputs have the same width
-  into one `SiblingGroup`, and sets `lw._sibling = (group, index)` on each (None elsewhere).
+  into one `SiblingGroup`, and sets `layer.sibling = (group, index)` on each (None elsewhere).
 - A member's stacked lossless/high call plan takes its ``h = x A^T`` from `group.shrink`: the
   first member called on an input computes h for itself and for every partner (one GEMM over
   their concatenated A's, each partner's A read from its own current plan); a partner then
@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .base_weight import real_shape
-
-if TYPE_CHECKING:
-    from .wrapper import LoraLinear
 
 _SIBLING_LEAF = re.compile(r"(?:to_|add_)?[qkv](?:_proj|_img)?")
 
@@ -49,7 +45,7 @@ class _Entry:
 
 
 class SiblingGroup:
-    def __init__(self, members: "list[LoraLinear]"):
+    def __init__(self, members: list):
         self.members = tuple(members)
         self.partners = [frozenset((i,)) for i in range(len(members))]
         self._entry: _Entry | None = None
@@ -93,7 +89,7 @@ class SiblingGroup:
         shared GEMM in this context: its partners whose current plan is a stacked one."""
         idx, mats = [i], [a]
         for j in sorted(self.partners[i] - {i}):
-            aj = getattr(self.members[j]._plan_for(ctx, x).run, "shrink_a", None)
+            aj = getattr(self.members[j].plan_for(ctx, x.device, x.dtype).run, "shrink_a", None)
             if aj is not None and aj.shape[1] == a.shape[1] and aj.dtype == a.dtype and aj.device == a.device:
                 idx.append(j)
                 mats.append(aj)
@@ -116,14 +112,13 @@ class SiblingGroup:
         return cols[0]
 
 
-def group_siblings(wrappers: "dict[str, LoraLinear]", enabled: bool = True) -> "list[SiblingGroup]":
+def group_siblings(wrappers: dict, enabled: bool = True) -> "list[SiblingGroup]":
     """Group the q/k/v-style projections of each module (see the module contract); with
     `enabled` False, ungroup them all (each its own shrink GEMM)."""
     by_parent: dict[tuple, list] = {}
     for name, w in wrappers.items():
-        w._sibling = None
-        w._plans.clear()  # a plan captures its group: none may outlive a regrouping
-        w._last_plan = None
+        w.sibling = None
+        w.drop_plans()  # a plan captures its group: none may outlive a regrouping
         if not enabled:
             continue
         parent, _, leaf = name.rpartition(".")
@@ -140,6 +135,6 @@ def group_siblings(wrappers: "dict[str, LoraLinear]", enabled: bool = True) -> "
             continue
         g = SiblingGroup(sorted(members, key=lambda m: m.layer_name))
         for k, m in enumerate(g.members):
-            m._sibling = (g, k)
+            m.sibling = (g, k)
         groups.append(g)
     return groups

@@ -6,21 +6,17 @@ Contract
   runtime scale), cached on the layer until its slot state changes.
 - `add_stacked` / `add_stacked_per_slot` add ``sum_i (x A_i^T) f_i B_i^T`` to the base output in
   place (addmm_), the factors applied through `scaling`.
-- `fused_stack` is what a fused kernel takes for this call, or None.
+- `fused_factors` / `row_scaled_factors`: what a fused kernel takes for a call, or None; a
+  call plan builds them once (`CallPlan.fused`); `unfusable_reason` says why there are none.
+`layer` is an adapted layer (`wrapper.AdaptedLayer`); only its public members are read.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import LoraRuntimeError
 from ..scaling import combined_factor, per_rank, times
-from .runtime_context import current_context
-
-if TYPE_CHECKING:
-    from .wrapper import AdapterSlot, LoraLinear
 
 
 def can_add_inplace(y: torch.Tensor) -> bool:
@@ -43,17 +39,17 @@ def row_mask(mask: torch.Tensor, like: torch.Tensor, layer: str) -> torch.Tensor
     return mask.to(like.device, like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
-def rank_of(s: "AdapterSlot") -> int:
+def rank_of(s) -> int:
     return int(s.update.stack()[0].shape[0])
 
 
-def stacked_pair(lw: "LoraLinear", device, dtype, slots: "list[AdapterSlot] | None" = None):
+def stacked_pair(lw, device, dtype, slots=None):
     """(A_cat [R, in], B_cat^T [R, out], uniform factor, per-rank fp32 factors or None) of the
     stackable slots: each update's `stack()`, its scale times the slot's strength (no runtime
     scale). Cached until the slot state changes."""
-    slots = [s for s in lw._weight_slots() if not s.merged and s.stackable] if slots is None else slots
+    slots = [s for s in lw.weight_slots() if not s.merged and s.stackable] if slots is None else slots
     key = (device, dtype, tuple(s.name for s in slots))
-    st = lw._stack_cache.get(key)
+    st = lw.factor_cache.get(key)
     if st is None:
         stacks = [s.update.stack(device, dtype) for s in slots]
         factors = [combined_factor(scale, s.strength) for s, (_, _, scale) in zip(slots, stacks)]
@@ -61,15 +57,14 @@ def stacked_pair(lw: "LoraLinear", device, dtype, slots: "list[AdapterSlot] | No
         b = stacks[0][1] if len(stacks) == 1 else torch.cat([p[1] for p in stacks], 1)
         uniform = all(f == factors[0] for f in factors)
         vec = None if uniform else per_rank((p[0].shape[0], f) for p, f in zip(stacks, factors)).to(device)
-        st = lw._stack_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
+        st = lw.factor_cache[key] = (a, b.t(), factors[0] if uniform else 1.0, vec)
     return st
 
 
-def fused_stack(lw: "LoraLinear", device, dtype):
-    """(A_cat [R, in], B_cat [out, R], scale) for a fused kernel this call (see `LoraLinear.stack`)."""
-    ctx = current_context()
+def fused_factors(lw, ctx, device, dtype):
+    """(A_cat [R, in], B_cat [out, R], scale) for a fused kernel in `ctx` (see `AdaptedLayer.stack`)."""
     rs = ctx.scale if ctx is not None else 1.0
-    live, offsets = lw._call_plan()
+    live, offsets = lw.live_slots()
     if not live or offsets or lw.is_conv or any(not s.stackable for s in live):
         return None
     if ctx is not None and ctx.adapters is not None:  # this call's per-adapter factors
@@ -89,8 +84,45 @@ def fused_stack(lw: "LoraLinear", device, dtype):
     return a, bt.t(), scale
 
 
-def add_stacked(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor, slots: "list[AdapterSlot]",
-                rs: float) -> torch.Tensor:
+def row_scaled_factors(lw, ctx, x: torch.Tensor):
+    """`fused_factors` with the CFG row masks folded into an fp32 [M, R] scale over x's M rows."""
+    live, offsets = lw.live_slots()
+    if not live or offsets or lw.is_conv or any(not s.stackable for s in live):
+        return None
+    f = {s.name: lw.call_factor(s, ctx) for s in live}
+    live = [s for s in live if f[s.name][0] != 0.0]
+    if not live:
+        return None
+    a, bt, _, _ = stacked_pair(lw, x.device, x.dtype, live)
+    rows = x.numel() // x.shape[-1]
+    cols = []
+    for s in live:
+        rs, mask = f[s.name]
+        per_row = torch.full((rows,), combined_factor(s.update.scale, s.strength, rs), dtype=torch.float32,
+                             device=x.device)
+        if mask is not None:
+            m = row_mask(mask, x, lw.layer_name).to(torch.float32)[..., 0].expand(x.shape[:-1]).reshape(-1)
+            per_row = per_row * m
+        cols.append(per_row[:, None].expand(rows, rank_of(s)))
+    return a, bt.t(), torch.cat(cols, 1)
+
+
+def unfusable_reason(lw) -> str:
+    """Why `fused_factors` gives nothing for a call now (for the fusion report)."""
+    if lw.call_has_row_mask():
+        return "a per-branch adapter in a CFG batch: the fused kernel takes a per-rank scale, not a per-row one"
+    live, offsets = lw.live_slots()
+    kinds = sorted({s.update.kind for s in live if not s.stackable})
+    if kinds:
+        return f"{'/'.join(kinds)} update: a fused kernel takes plain LoRA only"
+    if offsets:
+        return "an output offset (diff_b) rides on the layer"
+    if lw.is_conv:
+        return "a convolution"
+    return "no live low-rank update"
+
+
+def add_stacked(lw, x: torch.Tensor, y: torch.Tensor, slots, rs: float) -> torch.Tensor:
     """y += sum_i (x A_i^T) B_i^T * s_i * rs with one pair of GEMMs, in place."""
     a, bt, factor, vec = stacked_pair(lw, x.device, x.dtype, slots)
     if vec is not None:  # per-adapter factors differ: one multiply on the small [T, R] tensor
@@ -110,14 +142,14 @@ def addmm_stacked(x, y, a, bt, vec, alpha) -> torch.Tensor:
     return y
 
 
-def add_stacked_per_slot(lw: "LoraLinear", x, y, slots, factors) -> torch.Tensor:
+def add_stacked_per_slot(lw, x, y, slots, factors) -> torch.Tensor:
     """y += sum_i (x A_i^T) * f_i * mask_i B_i^T: one pair of GEMMs; the per-adapter factors
     (scale * strength * this call's runtime scale) and row masks on h [T, R]."""
     a, bt, factor, vec = stacked_pair(lw, x.device, x.dtype, slots)
     key = ("per_slot", x.device, x.dtype, tuple(s.name for s in slots), tuple(rs for rs, _ in factors))
-    ranks = lw._stack_cache.get(key)
+    ranks = lw.factor_cache.get(key)
     if ranks is None:  # one small vector per distinct factor set (at most one per step)
-        ranks = lw._stack_cache[key] = per_rank(
+        ranks = lw.factor_cache[key] = per_rank(
             (rank_of(s), combined_factor(s.factor, rs)) for s, (rs, _) in zip(slots, factors)
         ).to(x.device, x.dtype)
     h = times(F.linear(x, a), ranks, inplace=True)

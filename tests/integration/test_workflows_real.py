@@ -399,7 +399,7 @@ def test_our_adapters_after_a_comfyui_lora_run(assets, cond_class, baseline, mod
 @pytest.mark.parametrize("mode", ["dynamic", "merge", "auto"])
 def test_comfyui_lora_upstream_of_our_adapter(assets, cond_class, baseline, mode):
     """LoraLoaderModelOnly(B) -> Load LoRA Adapter(A): ComfyUI's patch and ours both apply
-    (before the fix: AttributeError 'LoraLinear' object has no attribute
+    (before the fix: AttributeError 'AdaptedLayer' object has no attribute
     'comfy_patched_weights' from ModelPatcher.load), and afterwards both ComfyUI's
     patched state and the bare model are intact."""
     p = build_prompt(cond_class, [(LORA_A, 1.0)], mode, "exact")

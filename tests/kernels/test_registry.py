@@ -9,6 +9,7 @@ from comfyui_lora_runtime.kernels import registry
 from comfyui_lora_runtime.kernels.linear_gelu_tanh import linear_gelu_tanh, linear_gelu_tanh_torch
 from comfyui_lora_runtime.kernels.lora_linear import lora_linear, lora_linear_torch
 from comfyui_lora_runtime.kernels.registry import KernelUnavailableError, resolve, use_backend
+from comfyui_lora_runtime.lora_runtime.layer.base_weight import fused_read_reason
 
 CPU = torch.zeros(2, 3)
 
@@ -130,7 +131,7 @@ class Quantized(nn.Linear):
     (nn.Linear(3, 4).to(torch.float64), "float64"),
 ])
 def test_plain_weight_reason(layer, why):
-    got = registry.plain_weight_reason(layer)
+    got = fused_read_reason(layer)
     assert (got == "") if not why else (why in got), got
 
 

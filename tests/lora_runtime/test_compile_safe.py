@@ -175,13 +175,13 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
     """An output offset (diff_b), on a merged slot and on a dynamic one, is in the trace plan:
     one graph for the layer, the offsets in the compiled output (a wrong answer without them),
     strength, runtime-scale and branch-mask changes of the offset slots without a recompile."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     down, up = lora_pair(24, 16, 4, 1, scale=0.3)
     db = torch.randn(24, generator=torch.Generator().manual_seed(2))
     w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0, diff_b=db), 0.8)
@@ -197,7 +197,7 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
             base = F.linear(x, lin.weight, lin.bias)
             w.merge(only={"a"})
             w.prepare_trace()
-            assert w._trace_plan is not None and len(w._trace_plan.offsets) == 2
+            assert w.traced_factors is not None and len(w.traced_factors.offsets) == 2
             cf = torch.compile(lin, backend=counting, dynamic=False)
 
             def check(adapters, fa):
@@ -225,11 +225,11 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
 
 def _attached(lin, v, strength=0.8):
     """`lin` wrapped and attached, with update `v` as slot "a" (its shapes checked first)."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
     v.check_module(lin.out_features, lin.in_features)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", LayerAdapter("l", update=v), strength)
     w.attach()
     return w
@@ -272,7 +272,7 @@ def test_compile_sliced_updates_ride_in_the_trace_plan():
 
     try:
         w.prepare_trace()
-        assert w._trace_plan is not None and w._trace_plan.slots[0][2].shape == (9,)
+        assert w.traced_factors is not None and w.traced_factors.slots[0][2].shape == (9,)
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
@@ -343,7 +343,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
     graphs, counting = _graph_counter()
     try:
         w.prepare_trace()
-        tp = w._trace_plan
+        tp = w.traced_factors
         assert tp is not None and not tp.slots and len(tp.forms) == 1
         assert tp.forms[0][0] == FORM_OF[kind]
         cf = torch.compile(lin, backend=counting, dynamic=False)
@@ -374,7 +374,7 @@ def test_compile_trace_forms_match_eager_in_bf16():
         w = _attached(lin, v)
         try:
             w.prepare_trace()
-            kind_, tensors = w._trace_plan.forms[0][:2]
+            kind_, tensors = w.traced_factors.forms[0][:2]
             assert form_dtype(kind_, tensors) == torch.bfloat16
             cf = torch.compile(lin, backend="eager", dynamic=False)
             x = torch.randn(2, 3, 16).to(torch.bfloat16)
@@ -405,7 +405,7 @@ def test_compile_a_model_of_every_update_type_is_one_graph_without_breaks():
             down, up = lora_pair(lin.out_features, lin.in_features, 2, 50 + i, scale=0.3)
             w.add_adapter("b", LayerAdapter(name, down, up, alpha=2.0), 0.5)
         w.prepare_trace()
-        assert w._trace_plan is not None and w._trace_plan.forms, name
+        assert w.traced_factors is not None and w.traced_factors.forms, name
         wrappers.append(w)
     graphs, counting = _graph_counter()
     cm = torch.compile(model, backend=counting, fullgraph=True, dynamic=False)
@@ -434,7 +434,7 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     """A patch embedding (Conv2d, Wan's Conv3d) with a LoCon-style LoRA and an output offset: its
     kernel delta and offset ride in the trace plan; one graph over strengths and tiers, one more
     for a mask; the compiled output equals eager's, the masked-off batch row is base."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
@@ -445,14 +445,14 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     else:
         conv, x = torch.nn.Conv3d(4, 8, (1, 2, 2), stride=(1, 2, 2)), torch.randn(2, 4, 2, 6, 6)
     k_in = conv.weight[0].numel()
-    w = LoraLinear(conv, "patch_embedding")
+    w = AdaptedLayer(conv, "patch_embedding")
     down, up = lora_pair(8, k_in, 2, 5, scale=0.3)      # LoCon: down [r, in * kernel]
     w.add_adapter("a", LayerAdapter("patch_embedding", down, up, alpha=2.0, diff_b=torch.randn(8) * 0.5), 0.7)
     w.attach()
     graphs, counting = _graph_counter()
     try:
         w.prepare_trace()
-        tp = w._trace_plan
+        tp = w.traced_factors
         assert tp is not None and [f[0] for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
         cf = torch.compile(conv, backend=counting, dynamic=False)
         with torch.no_grad():
@@ -472,7 +472,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
     """A DoRA on a layer whose host patches the weight per call (ComfyUI ``weight_function``) has no
     trace plan: its base output is not x Wᵀ + b of the stored tensors. The compiled call takes the
     general path (it reads the context: a graph break) and is still correct."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime import updates as U
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from testkit.fixtures import lora_pair
@@ -481,7 +481,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
     lin = torch.nn.Linear(16, 24)
     lin.weight_function = []   # ComfyUI's per-call patch list: present, empty here
     lin.bias_function = [lambda b: b * 1.0]
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     down, up = lora_pair(24, 16, 4, 1, scale=0.3)
     v = U.DoRA(U.LoRA(down, up, 4.0), lin.weight.detach().norm(dim=1) * 1.2)
     v.check_module(24, 16)
@@ -492,7 +492,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
         with torch.no_grad():
             base = F.linear(x, lin.weight, lin.bias)
             w.prepare_trace()
-            assert w._trace_plan is None
+            assert w.traced_factors is None
             cf = torch.compile(lin, backend="eager")
             with runtime_context(tier="lossless"):
                 got, want = cf(x), lin(x)
@@ -503,13 +503,13 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
 
 
 def test_compile_set_strength_on_a_prepared_wrapper_does_not_recompile():
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     down, up = lora_pair(24, 16, 4, 1, scale=0.3)
     w.add_adapter("a", LayerAdapter("l", down, up, alpha=4.0), 0.8)
     w.attach()

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 from testkit.fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
@@ -25,7 +25,7 @@ CASES = list(itertools.product(["exact", "lossless", "high", None], [1.0, 0.7], 
 @pytest.mark.parametrize("tier,strength,rs,alpha", CASES)
 def test_mul_count_per_tier(tier, strength, rs, alpha):
     lin, la = _layer(torch.float32, alpha=alpha)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", la, strength)
     x = torch.randn(5, 48)
     nonunit = sum(f != 1.0 for f in (la.update.scale, strength, rs))
@@ -44,7 +44,7 @@ def test_mul_count_per_tier(tier, strength, rs, alpha):
 
 def test_no_context_is_the_reference_order():
     lin, la = _layer(torch.bfloat16, alpha=4.0)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", la, 0.7)
     x = torch.randn(7, 48, dtype=torch.bfloat16)
     with torch.no_grad(), MulCounter() as c:
@@ -58,7 +58,7 @@ def test_no_context_is_the_reference_order():
 def test_exact_is_bit_identical_to_reference(dtype):
     lin, la = _layer(dtype, alpha=3.0)
     la2 = LayerAdapter("l", *lora_pair(40, 48, 4, 9, 0.2, dtype), alpha=None)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", la, 0.7)
     w.add_adapter("b", la2, -0.5)
     x = torch.randn(2, 7, 48).to(dtype)
@@ -77,7 +77,7 @@ def test_exact_is_bit_identical_to_reference(dtype):
 
 def test_runtime_scale_zero_returns_base_output():
     lin, la = _layer(torch.float32)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", la, 1.0)
     x = torch.randn(3, 48)
     for tier in ("exact", "lossless"):

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime import updates as U
 from testkit.compare import MulCounter
@@ -77,7 +77,7 @@ def test_mul_count_per_type_and_tier(kind, tier, strength, rs, alpha):
     lin = torch.nn.Linear(IN, OUT)
     v = TYPES[kind][0](alpha)
     v.check_module(OUT, IN)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", LayerAdapter("l", update=v), strength)
     x = torch.randn(5, IN)
     ctx = runtime_context(tier=tier, scale=rs) if tier else runtime_context(scale=rs)

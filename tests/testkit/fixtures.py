@@ -59,8 +59,8 @@ def lora_pair(out_f, in_f, r, seed, scale=0.1, dtype=torch.float32):
 
 
 def wrapped_lora_linear(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat16, seed=0):
-    """A LoraLinear over a seeded Linear with one adapter "a" whose update is |dW|/|W| ~= rel."""
-    from comfyui_lora_runtime.lora_runtime import LoraLinear
+    """A AdaptedLayer over a seeded Linear with one adapter "a" whose update is |dW|/|W| ~= rel."""
+    from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
     torch.manual_seed(seed)
@@ -69,7 +69,7 @@ def wrapped_lora_linear(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat1
     # scale the update to |dW|/|W| ~= rel
     dw = up @ down
     k = (rel * lin.weight.float().norm() / dw.norm()).sqrt()
-    w = LoraLinear(lin, "layer")
+    w = AdaptedLayer(lin, "layer")
     w.add_adapter("a", LayerAdapter("layer", down=(down * k).to(dtype), up=(up * k).to(dtype)), 1.0)
     return w
 

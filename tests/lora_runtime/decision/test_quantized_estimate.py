@@ -13,7 +13,7 @@ from torch import nn
 pytest.importorskip("comfy_kitchen")
 
 from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
-from comfyui_lora_runtime.lora_runtime import LoraLinear  # noqa: E402
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision import estimate  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter  # noqa: E402
@@ -31,13 +31,13 @@ def _small_sample(monkeypatch):
     monkeypatch.setattr(estimate, "SAMPLE_ELEMENTS", 32 * COLS)  # 32 of 512 rows: a real sample
 
 
-def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> LoraLinear:
+def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> AdaptedLayer:
     g = torch.Generator().manual_seed(5)
     lin = nn.Linear(COLS, ROWS)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(ROWS, COLS, generator=g) / COLS ** 0.5)
         lin.weight[TOP] = 0.4
-    w = LoraLinear(quant_ops.quantize_model(nn.Sequential(lin), layout, min_numel=1)[0], "l")
+    w = AdaptedLayer(quant_ops.quantize_model(nn.Sequential(lin), layout, min_numel=1)[0], "l")
     w.requant_seed = seed
     for i, size in enumerate(sizes):
         down, up = torch.randn(RANK, COLS, generator=g) * size, torch.randn(ROWS, RANK, generator=g) * size
@@ -46,7 +46,7 @@ def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> LoraLinear:
     return w
 
 
-def _whole(w: LoraLinear, names: list[str]) -> list[float]:
+def _whole(w: AdaptedLayer, names: list[str]) -> list[float]:
     """The largest |value| of each whole merge in turn, re-quantized whole (round to nearest)."""
     cur, out = w.weight2d.clone(), []
     for name in names:

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, measure_share_lost
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, measure_share_lost
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 from testkit.fixtures import lora_pair
@@ -14,7 +14,7 @@ def _wrapped(rel, dtype=torch.bfloat16, out_f=512, in_f=384, r=16, seed=0):
     lin = torch.nn.Linear(in_f, out_f).to(dtype)
     down, up = lora_pair(out_f, in_f, r, seed + 3, 1.0)
     k = (rel * lin.weight.float().norm() / (up @ down).norm()).sqrt()
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("a", LayerAdapter("l", down=down * k, up=up * k, alpha=8.0), 0.8)
     return w
 

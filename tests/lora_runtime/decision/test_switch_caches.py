@@ -7,7 +7,7 @@ or dtype each get a fresh measurement, and an answer that changed (an overflow) 
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import (AdapterSpec, DecisionCache, LoraInjector, LoraLinear,
+from comfyui_lora_runtime.lora_runtime import (AdapterSpec, DecisionCache, LoraInjector, AdaptedLayer,
                                                NonFiniteMergeError, RestoreError, plan)
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import content_key, fingerprint, merge_weight, restore_weight
@@ -140,7 +140,7 @@ def _wrapped(seed=0):
     lin = torch.nn.Linear(48, 64).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(64, 48, generator=g) / 7)
-    w = LoraLinear(lin, "layer")
+    w = AdaptedLayer(lin, "layer")
     w.add_adapter("a", LayerAdapter("layer", down=torch.randn(4, 48, generator=g) * 0.1,
                                     up=torch.randn(64, 4, generator=g) * 0.1), 1.0)
     return w
@@ -151,14 +151,14 @@ def test_verified_fingerprint_is_reused_only_for_the_untouched_weight():
     before = w.weight.detach().clone()
     w.merge()
     w.unmerge(remember=True)
-    assert w._verified is not None and w._verified[0] == fingerprint(before)
+    assert w.merge_state.verified is not None and w.merge_state.verified[0] == fingerprint(before)
     w.merge()  # reuses it (the weight is untouched since the restore)
     w.unmerge()
-    assert torch.equal(w.weight, before) and w._verified is None
+    assert torch.equal(w.weight, before) and w.merge_state.verified is None
     # a wrong remembered fingerprint is used when the identity matches: the restore catches it
     w.merge()
     w.unmerge(remember=True)
-    w._verified = ((0, 0), w._verified[1])
+    w.merge_state.verified = ((0, 0), w.merge_state.verified[1])
     w.merge()
     with pytest.raises(RestoreError):
         w.unmerge()
@@ -166,7 +166,7 @@ def test_verified_fingerprint_is_reused_only_for_the_untouched_weight():
     w = _wrapped()
     w.merge()
     w.unmerge(remember=True)
-    w._verified = ((0, 0), w._verified[1])
+    w.merge_state.verified = ((0, 0), w.merge_state.verified[1])
     with torch.no_grad():
         w.weight.mul_(1.0)
     w.merge()
@@ -183,7 +183,7 @@ def test_apply_drops_verified_fingerprints_when_the_transition_ends(tmp_path):
     plans = [plan(model, [AdapterSpec(str(p), 0.8)], "merge") for p in paths]
     for i in range(6):
         inj.apply(plans[i % 2])
-        assert all(w._verified is None for w in inj.wrappers.values())
+        assert all(w.merge_state.verified is None for w in inj.wrappers.values())
     inj.clear()
     assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
 

@@ -348,11 +348,11 @@ def test_lora_wrapped_modules_resolve_to_the_wrapper_and_no_model_is_kept_alive(
     import gc
     import weakref
 
-    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 
     model = M.TinyFlux()
     blk = model.double_blocks[0].img_attn
-    blk.qkv = LoraLinear(blk.qkv, "double_blocks.0.img_attn.qkv")
+    blk.qkv = AdaptedLayer(blk.qkv, "double_blocks.0.img_attn.qkv")
     mods = dict(model.named_modules())
     assert "double_blocks.0.img_attn.qkv.base_layer" in mods
     t = D.resolve("transformer.transformer_blocks.0.attn.to_v", mods)

@@ -44,7 +44,7 @@ def _truth(model, x):
         if mod is not None:
             for s in mod.slots.values():
                 s.update.clear_cache()
-            mod._stack_cache.clear()
+            mod.factor_cache.clear()
     with torch.no_grad(), runtime_context(tier="exact"):
         return m64(x.double())
 

@@ -4,9 +4,10 @@ and dtype, and a sampling's model calls with equal factors share one context (on
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer import call_plan
+from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 from comfyui_lora_runtime.lora_runtime.layer.schedule import Branch, SamplingSchedules, parse_schedule
 
@@ -16,7 +17,7 @@ from testkit.fixtures import lora_pair
 def _layer(dtype, n=2, strengths=(0.7, -0.6), diff_b=False):
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 48).to(dtype)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     for i in range(n):
         down, up = lora_pair(48, 32, 4, i + 1, scale=0.3, dtype=dtype)
         db = torch.randn(48, generator=torch.Generator().manual_seed(9)).to(dtype) * 0.1 if diff_b and i == 0 else None
@@ -26,7 +27,7 @@ def _layer(dtype, n=2, strengths=(0.7, -0.6), diff_b=False):
 
 def _general(w, lin, x):
     ctx = current_context()
-    return w._forward_general(x, lin(x), ctx, *w._call_selection(ctx))
+    return forward_general(w, x, lin(x), ctx, select(w, ctx))
 
 
 CASES = [  # (adapters, strengths, per-call factors, diff_b): uniform, per-rank, exact, masks, offsets
@@ -90,3 +91,23 @@ def test_model_calls_with_equal_factors_share_one_context():
     assert torch.equal(first["a"][1], torch.tensor([0.0, 0.0, 1.0, 1.0]))  # negative rows first
     with runtime_context(adapters=first) as c1, runtime_context(adapters=s.call_scales(0.75, [1, 0], 4, "cpu")) as c2:
         assert c1 is c2
+
+
+@pytest.mark.parametrize("adapters,scale_dim", [(None, 1), ({"s0": (0.5, None)}, 1),
+                                                ({"s0": (1.0, torch.tensor([1.0, 0.0]))}, 2)],
+                         ids=["unscheduled", "scheduled", "per_branch"])
+def test_fused_factors_are_built_once_per_plan(adapters, scale_dim):
+    """The fused route reads its factors off the call plan: repeated calls in one context get the
+    very same factor tensors (built once), equal to a fresh build."""
+    from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import lora_factors
+    w, lin = _layer(torch.float32)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad(), runtime_context(tier="lossless", adapters=adapters):
+        got = [lora_factors(w, x) for _ in range(5)]
+        builds = {tuple(id(t) for t in st) for st in got}  # the results stay alive: ids are distinct
+        assert len(builds) == 1, f"{len(builds)} factor builds for 5 fused calls"
+        w.drop_plans()
+        fresh = lora_factors(w, x)
+    for a, b in zip(got[0], fresh):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.as_tensor(got[0][2]).dim() == scale_dim  # per rank (the slots differ), or per row and rank

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
@@ -60,7 +60,7 @@ def test_subtracting_the_delta_would_drift():
 def test_nan_is_caught_before_anything_is_written():
     lin = torch.nn.Linear(8, 8).to(torch.float16)
     huge = LayerAdapter("l", down=torch.full((1, 8), 300.0), up=torch.full((8, 1), 300.0))
-    w = LoraLinear(lin, "blocks.0.ffn.0")
+    w = AdaptedLayer(lin, "blocks.0.ffn.0")
     w.add_adapter("huge.safetensors", huge, 1.0)
     before = w.weight.detach().clone()
     with pytest.raises(NonFiniteMergeError, match=r"blocks.0.ffn.0.*no weight was changed"):
@@ -73,7 +73,7 @@ def test_sparse_restore_memory_is_measured_and_small(rel, max_share):
     """contracts.md: elements a recomputation misses, 0.23 % at 0.1 %, 1.4 % at 1 %, 8.4 % at 11 %."""
     w = _wrapped(out_f=1536, in_f=1536, r=32, rel=rel)
     w.merge()
-    rec = w._restore
+    rec = w.merge_state.restore
     share = rec.exceptions / w.weight.numel()
     full = w.weight.numel() * w.weight.element_size()
     assert rec.kind == "sparse" and share < max_share, share
@@ -86,8 +86,8 @@ def test_full_copy_fallback_when_sparse_is_larger():
     w = _wrapped(out_f=64, in_f=64, dtype=torch.float32, rel=1e-6)
     before = w.weight.detach().clone()
     w.merge()
-    assert w._restore.kind in ("full", "sparse")
-    assert w._restore.nbytes <= w.weight.numel() * 4
+    assert w.merge_state.restore.kind in ("full", "sparse")
+    assert w.merge_state.restore.nbytes <= w.weight.numel() * 4
     w.unmerge()
     assert torch.equal(w.weight, before)
 

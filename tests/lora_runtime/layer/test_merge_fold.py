@@ -7,7 +7,7 @@ the tier changed recomputes what its merge used."""
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, LoraLinear, plan
+from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, AdaptedLayer, plan
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import Tier
 
@@ -24,7 +24,7 @@ def _wrapped(dtype, tier, copy=False, seed=0, out_f=384, in_f=256):
     lin = lin.to(dtype)
     down = (torch.randn(RANK, in_f, generator=g) / in_f ** 0.5).to(torch.bfloat16)
     up = (torch.randn(out_f, RANK, generator=g) * 0.05).to(torch.bfloat16)
-    w = LoraLinear(lin, "layer")
+    w = AdaptedLayer(lin, "layer")
     w.add_adapter("a", LayerAdapter("layer", down=down, up=up, alpha=ALPHA), STRENGTH)
     w.merge_tier, w.restore_copy = tier, copy
     return w, down.float(), up.float()
@@ -104,7 +104,7 @@ def test_the_injector_merges_in_the_plans_tier(tmp_path):
         snap = {k: v.clone() for k, v in model.state_dict().items()}
         inj = LoraInjector(model)
         inj.apply(plan(model, [AdapterSpec(str(path), 0.7)], "merge", tier=tier))
-        assert all(w.merge_tier is Tier(tier) and w._merged_folded == (tier != "exact") for w in inj.wrappers.values())
+        assert all(w.merge_tier is Tier(tier) and w.merge_state.folded == (tier != "exact") for w in inj.wrappers.values())
         merged[tier] = {k: v.clone() for k, v in model.state_dict().items()}
         inj.clear()
         assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())

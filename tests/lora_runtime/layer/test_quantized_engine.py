@@ -197,7 +197,7 @@ def test_auto_measures_on_the_layout_grid(tmp_path, layout):
             w = attached_wrapper(m)
             if w is None:
                 continue
-            old = w._restore.param.to(torch.float32).dequantize()
+            old = w.merge_state.restore.param.to(torch.float32).dequantize()
             d = w.delta_rows(slice(None), None, True)
             merged = m.weight.to(torch.float32).dequantize()
             err += float((merged - old - d).double().pow(2).sum())

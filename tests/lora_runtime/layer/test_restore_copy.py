@@ -7,7 +7,7 @@ wrappers. The lean record is the wrong answer for the memory figure (it keeps fa
 import pytest
 import torch
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, NonFiniteMergeError, RestoreError
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, RestoreError
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight
 
@@ -23,10 +23,10 @@ def test_copy_merges_the_same_bits_and_restores_bit_exact(dtype):
     copy.merge()
     assert torch.equal(copy.weight, lean.weight)       # the same one rounding of fp32(W) + dW
     assert not torch.equal(copy.weight, before)        # the update is in the weight
-    rec = copy._restore
+    rec = copy.merge_state.restore
     full = before.numel() * before.element_size()
     assert rec.kind == "full" and rec.nbytes == full
-    assert lean._restore.kind == "sparse" and lean._restore.nbytes < full / 10  # what lean saves
+    assert lean.merge_state.restore.kind == "sparse" and lean.merge_state.restore.nbytes < full / 10  # what lean saves
     copy.unmerge()
     assert torch.equal(copy.weight, before) and copy.restore_bytes == 0
 
@@ -44,7 +44,7 @@ def test_copy_no_drift_over_200_cycles():
 def test_copy_catches_non_finite_before_leaving_anything_written():
     lin = torch.nn.Linear(8, 8).to(torch.float16)
     huge = LayerAdapter("l", down=torch.full((1, 8), 300.0), up=torch.full((8, 1), 300.0))
-    w = LoraLinear(lin, "blocks.0.ffn.0")
+    w = AdaptedLayer(lin, "blocks.0.ffn.0")
     w.restore_copy = True
     w.add_adapter("huge.safetensors", huge, 1.0)
     before = w.weight.detach().clone()
@@ -99,24 +99,24 @@ def test_a_copy_swap_takes_the_copy_the_restore_wrote_back():
     w.restore_copy = fresh.restore_copy = True
     before = w.weight.detach().clone()
     w.merge()
-    first = w._restore.full
+    first = w.merge_state.restore.full
     w.unmerge(remember=True)
     assert torch.equal(w.weight, before)
     w.set_strength("a", 0.4)          # the swapped-in state: another delta
     fresh.set_strength("a", 0.4)
     w.merge()
     fresh.merge()
-    assert w._restore.full is first                     # no second copy written
+    assert w.merge_state.restore.full is first                     # no second copy written
     assert torch.equal(w.weight, fresh.weight)          # the same merge bits as without the reuse
     assert not torch.equal(w.weight, before)
     w.unmerge()
     assert torch.equal(w.weight, before)
     # without remember (not a swap) nothing is reused
     w.merge()
-    second = w._restore.full
+    second = w.merge_state.restore.full
     w.unmerge()
     w.merge()
-    assert w._restore.full is not second
+    assert w.merge_state.restore.full is not second
     w.unmerge()
     assert torch.equal(w.weight, before)
 

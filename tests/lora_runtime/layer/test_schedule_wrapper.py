@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 from testkit.fixtures import assert_lossless, lora_pair, reference_forward, truth_fp64
@@ -18,7 +18,7 @@ POS_ROWS = torch.tensor([0.0, 0.0, 1.0, 1.0])
 def _layer(dtype=torch.float32, two=False):
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 48).to(dtype)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     slots = []
     for name, seed, alpha, strength in (("a", 1, 2.0, 0.7),) + ((("b", 2, 8.0, -0.6),) if two else ()):
         down, up = lora_pair(48, 32, 4, seed, scale=0.3, dtype=dtype)
@@ -99,7 +99,7 @@ def test_rows_flattened_batch_major_and_a_bad_layout():
 def test_conv_and_output_offset_slots_follow_the_factors(tier):
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 8, 2, stride=2)
-    w = LoraLinear(conv, "patch_embedding")
+    w = AdaptedLayer(conv, "patch_embedding")
     down, up = lora_pair(8, 12, 2, 5, scale=0.3)  # LoCon: down [r, in * kh * kw]
     w.add_adapter("a", LayerAdapter("patch_embedding", down, up, alpha=2.0), 0.7)
     x = torch.randn(ROWS, 3, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -110,7 +110,7 @@ def test_conv_and_output_offset_slots_follow_the_factors(tier):
     assert not torch.equal(got, full) and not torch.equal(_call(w, x, tier, {"a": (0.5, None)}), full)
 
     lin = torch.nn.Linear(32, 48)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("b", LayerAdapter("l", diff_b=torch.randn(48)), 0.9)   # an output offset only
     x = torch.randn(ROWS, 5, 32)
     base, full = lin(x), _call(w, x, tier, None)

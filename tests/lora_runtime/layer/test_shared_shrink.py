@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, LoraLinear, plan, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, AdaptedLayer, plan, runtime_context
 from comfyui_lora_runtime.lora_runtime import updates as U
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.shared_shrink import group_siblings
@@ -45,7 +45,7 @@ def _wrapped(dtype, cross=False, ranks=(4, 6, 8)):
     m = QKV(dtype, cross)
     ws = {}
     for i, (name, r) in enumerate(zip("qkv", ranks)):
-        w = LoraLinear(getattr(m, name), name)
+        w = AdaptedLayer(getattr(m, name), name)
         w.attach()
         down, up = lora_pair(24, D, r, seed=10 + i, scale=0.3, dtype=dtype)
         w.add_adapter("a", LayerAdapter(name, down, up, alpha=float(r) / 2), 0.8)
@@ -252,7 +252,7 @@ def _sliced_layer(dtype, extra=False):
     parts = [(0, 20, lora(20, 4, 2.0)), (20, 40, lora(20, 8, None)), (44, 60, lora(16, 2, 1.0))]
     v = U.Sliced(parts, 60)
     v.check_module(60, D)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     w.add_adapter("s", LayerAdapter("l", update=v), 0.7)
     if extra:
         down, up = lora_pair(60, D, 4, seed=9, scale=0.3, dtype=dtype)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
+from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
 
 from testkit.fixtures import assert_lossless, lora_pair, reference_forward, truth_fp64
@@ -19,12 +19,12 @@ class CastLinear(torch.nn.Linear):
 def test_reads_through_to_the_wrapped_layer():
     lin = CastLinear(8, 6)
     lin.some_flag = "x"
-    w = LoraLinear(lin, "blocks.0.ffn.0")
+    w = AdaptedLayer(lin, "blocks.0.ffn.0")
     assert w.weight is lin.weight and w.bias is lin.bias
     assert w.in_features == 8 and w.out_features == 6
     assert w.comfy_cast_weights is True and w.some_flag == "x"
     assert w.get_base_layer() is lin
-    outer = LoraLinear(w, "outer")
+    outer = AdaptedLayer(w, "outer")
     assert outer.get_base_layer() is lin and outer.weight is lin.weight
     with pytest.raises(AttributeError):
         w.not_there
@@ -32,7 +32,7 @@ def test_reads_through_to_the_wrapped_layer():
 
 def test_lora_active_follows_live_state():
     lin = torch.nn.Linear(8, 6)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     assert not w.lora_active
     la = LayerAdapter("l", *lora_pair(6, 8, 2, 0))
     w.add_adapter("a", la, 1.0)
@@ -57,7 +57,7 @@ def test_lora_active_follows_live_state():
 
 def test_output_offset_is_added_even_when_merged():
     lin = torch.nn.Linear(8, 6)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     off = torch.randn(6)
     w.add_adapter("o", LayerAdapter("l", diff_b=off), 0.5)
     x = torch.randn(3, 8)
@@ -73,7 +73,7 @@ def test_output_offset_is_added_even_when_merged():
 def test_several_adapters_in_one_stacked_gemm_pair(dtype, strengths):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96).to(dtype)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     # realistic update size (delta ~ a few % of the output) and enough elements that the
     # RMS/max statistics of the error are stable; a delta as large as the base output makes
     # the error a function of a handful of roundings of x A^T.
@@ -99,7 +99,7 @@ def test_several_adapters_in_one_stacked_gemm_pair(dtype, strengths):
 
 def test_disable_one_of_two():
     lin = torch.nn.Linear(16, 16)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     (d1, u1), (d2, u2) = lora_pair(16, 16, 2, 1), lora_pair(16, 16, 2, 2)
     w.add_adapter("a", LayerAdapter("l", down=d1, up=u1), 1.0)
     w.add_adapter("b", LayerAdapter("l", down=d2, up=u2), 1.0)
@@ -112,7 +112,7 @@ def test_disable_one_of_two():
 def test_diff_and_dora_dynamic_equal_their_merge():
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 24).double()
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     d, u = lora_pair(24, 32, 4, 3, 0.3)
     diff = torch.randn(24, 32) * 0.01
     mag = lin.weight.detach().float().norm(dim=1, keepdim=True) * 1.1
@@ -136,7 +136,7 @@ def test_diff_and_dora_dynamic_equal_their_merge():
 
 
 def test_state_changes_while_merged_are_refused():
-    w = LoraLinear(torch.nn.Linear(4, 4), "l")
+    w = AdaptedLayer(torch.nn.Linear(4, 4), "l")
     w.add_adapter("a", LayerAdapter("l", *lora_pair(4, 4, 1, 0)), 1.0)
     w.merge()
     with pytest.raises(RuntimeError, match="unmerge before"):
@@ -149,7 +149,7 @@ def test_autograd_path_equals_inference_path_and_backprops(tier):
     """In-place accumulation is used only outside autograd; with grad on, the same bits and a gradient."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 12)
-    w = LoraLinear(lin, "l")
+    w = AdaptedLayer(lin, "l")
     d, u = lora_pair(12, 16, 4, 1, 0.3)
     w.add_adapter("a", LayerAdapter("l", down=d, up=u, alpha=2.0), 0.7)
     w.add_adapter("b", LayerAdapter("l", diff=torch.randn(12, 16) * 0.1), 0.5)

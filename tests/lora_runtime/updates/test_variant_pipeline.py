@@ -299,7 +299,7 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     files are): dynamic and merged equal the fp64 block-stacked delta."""
     from comfyui_lora_runtime.lora_runtime import updates
     from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
-    from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear
+    from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 
     d = 16
     lin = nn.Linear(d, 3 * d)
@@ -310,7 +310,7 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     full = torch.cat([v.up.double() @ v.down.double() * v.scale for v in loras], 0)
     x = rnd(5, d, seed=3, scale=1.0)
     truth = x.double() @ (w0.double() + 0.5 * full).T + lin.bias.double()
-    w = LoraLinear(lin, "qkv")
+    w = AdaptedLayer(lin, "qkv")
     w.attach()
     w.add_adapter("a", LayerAdapter("qkv", update=sliced), 0.5)
     for tier in ("exact", "lossless"):

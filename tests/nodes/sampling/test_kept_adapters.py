@@ -10,7 +10,7 @@ import torch
 
 from comfyui_lora_runtime.standalone.host import model_management, progress
 from comfyui_lora_runtime.lora_runtime import resident
-from comfyui_lora_runtime.lora_runtime.layer.wrapper import LoraLinear, runtime_leftovers
+from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer, runtime_leftovers
 from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode
 
@@ -36,12 +36,12 @@ def _pristine(base, w0) -> bool:
 @pytest.fixture
 def counted_merges(monkeypatch):
     calls = []
-    real = LoraLinear.merge
+    real = AdaptedLayer.merge
 
     def merge(self, only=None):
         calls.append(self.layer_name)
         return real(self, only)
-    monkeypatch.setattr(LoraLinear, "merge", merge)
+    monkeypatch.setattr(AdaptedLayer, "merge", merge)
     return calls
 
 
