@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context, runtime_context
 

@@ -6,7 +6,8 @@ schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_sche
 model_call_context (see `schedule`).
 """
 from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
-from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, applied, plan
+from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, plan
+from .resident import applied
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
                      MergeRefusedError, NonFiniteMergeError, RestoreError)
 from .decision.policy import DecisionCache, MergeDecision, decide, measure_share_lost

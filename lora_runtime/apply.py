@@ -348,26 +348,6 @@ class LoraInjector:
 
 
 @contextlib.contextmanager
-def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injector: LoraInjector | None = None,
-            *, fusion_backend: str | None = "auto"):
-    """Apply `p` and mount the fusions its tier admits for the duration of the block.
-
-    On exit, also on error or interrupt: fusions unmounted, merged weights restored
-    bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
-    """
-    from .resident import evict
-
-    evict(model, "adapters were applied to this model for one block")  # a kept state comes off first
-    inj = injector or LoraInjector(model)
-    try:
-        report = inj.apply(p, cache)
-        with running(model, report, p.tier, fusion_backend):
-            yield report
-    finally:
-        inj.clear()
-
-
-@contextlib.contextmanager
 def running(model: nn.Module, report: ApplyReport, tier: Tier, fusion_backend: str | None):
     """The per-run parts on an applied model: the fusion sites the tier admits mounted (none with
     ``fusion_backend=None``) and the runtime context entered; on exit the sites are unmounted and

@@ -18,7 +18,9 @@ our adapters the same life:
 - `evict(model, why)` takes a kept state off (the host's unload, another MODEL's load), under
   inference mode (the host's weights may be inference tensors); a failure raises RestoreError and
   every later `held` on that model refuses it with the same message. `kept(model)` is the state or
-  None. `applied` evicts first, so a one-block application never meets a kept one.
+  None.
+- ``with applied(model, p, cache) as report``: `p` applied for one block (a kept state comes off
+  first); on any exit everything comes off bit for bit.
 """
 from __future__ import annotations
 
@@ -205,3 +207,21 @@ def held(model: nn.Module, p: Plan, key: Hashable, cache: DecisionCache | None =
                 raise
         else:
             evict(model, "the sampling ended with an error or an interrupt")
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, p: Plan, cache: DecisionCache | None = None, injector: LoraInjector | None = None,
+            *, fusion_backend: str | None = "auto"):
+    """Apply `p` and mount the fusions its tier admits for the duration of the block.
+
+    On exit, also on error or interrupt: fusions unmounted, merged weights restored
+    bit for bit, wrappers removed. ``fusion_backend=None`` mounts no fusion.
+    """
+    evict(model, "adapters were applied to this model for one block")  # a kept state comes off first
+    inj = injector or LoraInjector(model)
+    try:
+        report = inj.apply(p, cache)
+        with running(model, report, p.tier, fusion_backend):
+            yield report
+    finally:
+        inj.clear()
