@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from comfyui_lora_runtime.standalone.host.executor import PromptValidationError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt
+from comfyui_lora_runtime.standalone.host.validation import PromptValidationError, validate_prompt
 from comfyui_lora_runtime.nodes import intent
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
 from comfyui_lora_runtime.nodes.stack_node import LoraStack, parse_rows
