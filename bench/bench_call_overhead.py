@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.apply import applied, plan
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context, runtime_context
 
 from _timing import header, load_string, paired_rounds

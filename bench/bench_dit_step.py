@@ -59,7 +59,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, applied, plan
+from comfyui_lora_runtime.lora_runtime.apply import LoraInjector, applied, plan
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import mount_fusions
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 

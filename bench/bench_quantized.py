@@ -28,7 +28,7 @@ from _timing import header, interleaved_rounds, resolve_device  # noqa: E402
 
 from comfyui_lora_runtime.standalone.host import quant_checkpoints  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.apply import applied, plan
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
 from comfyui_lora_runtime.lora_runtime.layer.schedule import (Branch, SamplingSchedules, model_call_context, parse_schedule,
                                                         sampling_schedules)
 

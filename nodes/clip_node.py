@@ -72,9 +72,8 @@ class LoadLoraAdapterModelClip:
         optional = dict(base.get("optional", {}))
         kind, opts = optional["unmatched_keys"]
         optional["unmatched_keys"] = (kind, {**opts, "tooltip": (
-            "error: a key of the file that the model or the CLIP has no layer for stops the run (nothing is "
-            "dropped silently); skip and report: apply the rest and list the skipped keys and text-encoder "
-            "layers on the report.")})
+            "error: a key that the model or the CLIP has no layer for stops the run; skip and report: apply the "
+            "rest and list the skipped keys on the report.")})
         return {"required": required, "optional": optional}
 
     RETURN_TYPES = ("MODEL", "CLIP")

@@ -43,7 +43,7 @@ import logging
 import time
 
 from . import host
-from ..lora_runtime import applied, compile_watch, plan, resident
+from ..lora_runtime import applied, compile_watch, plan_intent, resident
 from ..lora_runtime.errors import LoraRuntimeError
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
@@ -119,7 +119,7 @@ def _wrappers(dm) -> list:
 def _plan(patcher, want):
     """The plan of `want` on `patcher`'s diffusion model (loads and matches the adapters; touches nothing)."""
     dm = patcher.get_model_object("diffusion_model")
-    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
+    p = plan_intent(dm, want, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
     p.requant_seed = host.requant_seed
     return p

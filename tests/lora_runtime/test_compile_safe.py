@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from comfyui_lora_runtime.lora_runtime import compile_watch
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, applied, plan
+from comfyui_lora_runtime.lora_runtime.apply import applied, plan
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
 from comfyui_lora_runtime.nodes import report
 

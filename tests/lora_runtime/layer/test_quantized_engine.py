@@ -16,7 +16,7 @@ pytest.importorskip("comfy_kitchen")
 
 from comfyui_lora_runtime.standalone.host import quant_checkpoints, quant_ops  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.errors import LoraRuntimeError, MergeRefusedError  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.files.adapter import target_kind  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import ran_guard  # noqa: E402
