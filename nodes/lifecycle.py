@@ -1,39 +1,21 @@
 """The LoRA runtime around every sampler that samples a MODEL our nodes touched.
 
-Our nodes record an `Intent` on a MODEL clone and `register` this module's wrappers on
-it. They ride on ComfyUI's own ModelPatcher hooks (the bundled host's patcher has the same
-ones), so ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom(Advanced), other packs'
-samplers and our LoRA Sampler all run the same lifecycle:
-
-    OUTER_SAMPLE (ours: plan, check the schedules against the sigmas; the window opens)
-      PREPARE_SAMPLING: ComfyUI's load_models_gpu (it detaches the loaded clones of the base:
-               ON_DETACH, where ours keep their adapters only for this very load; its own weight
-               patches applied, object patches and injections in place); then ours: resume the
-               state the last sampling kept, or apply (attach / merge / mount fusions) on the
-               device and dtype ComfyUI chose
-      pre_run, condition processing (model layers that run here, such as LTX-2's text
-               connectors, run with the adapters)
-      SAMPLER_SAMPLE (ours: schedules, the first-call check, the report) -> the sampler's loop
-    ComfyUI: cleanup; ours: the adapters stay on while the model stays loaded (docs/lifecycle.md,
-    lora_runtime/resident.py); an error or interrupt takes them off
-
-A host path that samples without the OUTER_SAMPLE / PREPARE_SAMPLING hooks gets plan, apply
-and restore around SAMPLER_SAMPLE alone (nothing kept).
+Our nodes record an `Intent` on a MODEL clone and `register` this module's wrappers on it. They
+ride on the ModelPatcher hooks (ComfyUI's and the bundled host's), so every sampler runs the same
+lifecycle (docs/lifecycle.md): OUTER_SAMPLE plans and checks the schedules; PREPARE_SAMPLING,
+after the host loaded the model, resumes the kept state or applies; SAMPLER_SAMPLE samples and
+reports. A host path without the first two hooks gets plan, apply and restore around
+SAMPLER_SAMPLE alone (nothing kept).
 
 Contract
-- `register(patcher)` is idempotent; clones inherit the wrapper (ComfyUI copies
-  wrapper lists on clone) and each clone carries its own Intent.
-- The wrapper reads the Intent of the patcher being sampled (``guider.model_patcher``,
-  the exact MODEL object the sampler node received). No adapters and the default tier:
-  it calls straight through.
+- `register(patcher)` is idempotent; clones inherit the wrappers, each clone its own Intent.
+- The wrappers read the Intent of the patcher being sampled; no adapters and the default tier:
+  they call straight through.
 - A sampling that ends normally keeps its adapters on the loaded model (`resident.held`); the
-  host's unload (ON_DETACH with unpatch_all), the load of another MODEL on the same weights, a
-  forward outside our samplings, an error, interrupt or out-of-memory take them off bit for bit
-  (forwards and fusion sites put back); an error then propagates unchanged.
-- The report (the dict the LoRA Sampler shows) is stored on the patcher
-  (`last_report`), logged, and sent to the frontend for the node that is executing
-  (`host.send_report`), so a stock KSampler gets the badge and the LoRA Runtime Report
-  node can put it in the prompt's history.
+  host's unload, another MODEL's load on the same weights, a forward outside our samplings, an
+  error, interrupt or out-of-memory take them off bit for bit; an error then propagates unchanged.
+- The report is stored on the patcher (`last_report`), logged, and sent to the frontend for the
+  node that is executing (`host.send_report`).
 """
 from __future__ import annotations
 
