@@ -1,6 +1,6 @@
 """The LoRA runtime around every sampler that samples a MODEL our nodes touched.
 
-Our nodes record an `Intent` on a MODEL clone and `register` this module's wrappers on it. They
+Our nodes record an `Intent` on a MODEL clone (`with_changes`) and `register` this module's wrappers on it. They
 ride on the ModelPatcher hooks (ComfyUI's and the bundled host's), so every sampler runs the same
 lifecycle (docs/lifecycle.md): OUTER_SAMPLE plans and checks the schedules; PREPARE_SAMPLING,
 after the host loaded the model, resumes the kept state or applies; SAMPLER_SAMPLE samples and
@@ -23,20 +23,22 @@ import contextlib
 import contextvars
 import logging
 import time
+from dataclasses import replace
 
 from . import host
 from ..lora_runtime import applied, compile_watch, plan_intent, resident
 from ..lora_runtime.errors import LoraRuntimeError
+from ..lora_runtime.intent import Intent
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
-from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for
 
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "comfyui_lora_runtime"
+INTENT_KEY = "lora_runtime"   # model_options key of a MODEL's Intent
 _FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_first_call", default=None)
 
 
@@ -54,6 +56,29 @@ _REPORT_ATTR = "_lora_runtime_report"
 
 def is_registered(patcher) -> bool:
     return host.has_wrappers(patcher, WRAPPER_KEY)
+
+
+def read(model) -> Intent:
+    """The Intent our nodes recorded on `model` (``model_options["lora_runtime"]``); an empty one if none.
+    ComfyUI copies model_options on clone (0.3.64 deep-copies it, newer versions share other objects:
+    an immutable Intent is safe under both), so each branch of a graph keeps its own intent."""
+    found = (getattr(model, "model_options", None) or {}).get(INTENT_KEY)
+    if found is None:
+        return Intent()
+    if not isinstance(found, Intent):
+        raise TypeError(f"model_options[{INTENT_KEY!r}] holds a {type(found).__name__}, not a LoRA runtime Intent; "
+                        "another node wrote to this key")
+    return found
+
+
+def with_changes(model, **changes):
+    """A registered clone of `model` whose intent has `changes` applied (text settings parsed by
+    `Intent`); `model` is untouched."""
+    new = replace(read(model), **changes)  # a bad setting raises here, before anything is cloned
+    clone = model.clone()
+    clone.model_options[INTENT_KEY] = new
+    register(clone)
+    return clone
 
 
 def register(patcher) -> None:
@@ -170,7 +195,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper (executor.class_obj: the guider; args = (noise, latent_image, sampler, sigmas,
     ...)): the window of one sampling; every exit restores what PREPARE_SAMPLING applied."""
     patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
-    want = intent_mod.read(patcher) if patcher is not None else None
+    want = read(patcher) if patcher is not None else None
     if want is None or not want.touches_model:
         return executor(*args, **kwargs)
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
@@ -202,7 +227,7 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     Inside a window the adapters are already on; else (a host path without one) they go on here."""
     guider, sigmas = args[0], args[1]
     patcher = guider.model_patcher
-    want = intent_mod.read(patcher)
+    want = read(patcher)
     if not want.touches_model:
         return executor(*args, **kwargs)
     steps = max(1, len(sigmas) - 1)

@@ -22,7 +22,7 @@ from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule, parse_strength_list
 from ..lora_runtime.intent import AdapterSpec
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, RestoreMemory, Tier
-from . import intent, lifecycle, report
+from . import lifecycle, report
 from .caches import ADAPTERS
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class LoadLoraAdapter:
         shown = coverage.to_dict()
         if block_filter is not None:  # an entry selecting none of the adapter's layers raises here
             shown["blocks"] = filter_layers(targets, entry.strength, block_filter, where=where)[2]
-        out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
+        out = lifecycle.with_changes(model, adapters=lifecycle.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
 
 
@@ -149,7 +149,7 @@ class LoraMergeMode:
                    "and what a merge keeps to restore them.")
 
     def set_mode(self, model, mode, restore_memory=RestoreMemory.LEAN.value):
-        return (intent.with_changes(model, mode=mode, restore=restore_memory),)
+        return (lifecycle.with_changes(model, mode=mode, restore=restore_memory),)
 
 
 class LoraQualityTier:
@@ -168,7 +168,7 @@ class LoraQualityTier:
     DESCRIPTION = "What any sampler that samples this model guarantees about the adapters' numerics."
 
     def set_tier(self, model, tier):
-        return (intent.with_changes(model, tier=tier),)
+        return (lifecycle.with_changes(model, tier=tier),)
 
 
 class LoraSampler:
@@ -213,7 +213,7 @@ class LoraSampler:
                              denoise=denoise)
         r = lifecycle.last_report(model)
         if r is None:  # nothing to apply (no adapter, default tier), or no step to run (denoise 0)
-            want = intent.read(model)
+            want = lifecycle.read(model)
             r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME,
                              sample_seconds=time.perf_counter() - t0, steps=steps)
             log.info("%s", report.text(r))
@@ -241,7 +241,7 @@ class LoraRuntimeReport:
 
     def show(self, model, latent):
         r = lifecycle.last_report(model)
-        want = intent.read(model)
+        want = lifecycle.read(model)
         if r is None and not want.touches_model:  # no adapters (and the default tier): nothing was applied
             r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME, sample_seconds=0.0,
                              steps=1)
