@@ -56,43 +56,41 @@ def normalized_prompt(prompt: Mapping[str, Any], node_classes: NodeClasses, *,
     return work
 
 
-def _prompt_error(kind: str, message: str, details: str = "") -> dict:
-    return {"type": kind, "message": message, "details": details, "extra_info": {}}
+def _error(kind: str, message: str, details: str = "", **extra_info) -> dict:
+    """One error in ComfyUI's shape."""
+    return {"type": kind, "message": message, "details": details, "extra_info": extra_info}
 
 
 def validate(prompt: Any, node_classes: NodeClasses) -> tuple[bool, dict | None, list[str], dict]:
     """Validation proper; converts literal INT/FLOAT/STRING/BOOLEAN inputs in place."""
     if not isinstance(prompt, dict):
-        return (False, _prompt_error("invalid_prompt", "Prompt must be a JSON object of nodes",
+        return (False, _error("invalid_prompt", "Prompt must be a JSON object of nodes",
                                      type(prompt).__name__), [], {})
     outputs = []
     for node_id, node in prompt.items():
         if not isinstance(node, dict) or "class_type" not in node:
-            return (False, _prompt_error(
+            return (False, _error(
                 "invalid_prompt", "Cannot execute because a node is missing the class_type property.",
                 f"Node ID '#{node_id}'"), [], {})
         cls = node_classes.get(node["class_type"])
         if cls is None:
-            return (False, _prompt_error(
+            return (False, _error(
                 "invalid_prompt", f"Cannot execute because node {node['class_type']} does not exist.",
                 f"Node ID '#{node_id}'"), [], {})
         if not isinstance(node.get("inputs", {}), dict):
-            return (False, _prompt_error("invalid_prompt", "Node inputs must be a JSON object",
+            return (False, _error("invalid_prompt", "Node inputs must be a JSON object",
                                          f"Node ID '#{node_id}'"), [], {})
         node.setdefault("inputs", {})
         if getattr(cls, "OUTPUT_NODE", False) is True:
             outputs.append(node_id)
     if not outputs:
-        return (False, _prompt_error("prompt_no_outputs", "Prompt has no outputs"), [], {})
+        return (False, _error("prompt_no_outputs", "Prompt has no outputs"), [], {})
 
     validated: dict[str, tuple[bool, list[dict]]] = {}
     for node_id in nodes_in_cycles(prompt):
-        validated[node_id] = (False, [{
-            "type": "dependency_cycle",
-            "message": "Dependency cycle detected",
-            "details": f"node {node_id} ({prompt[node_id]['class_type']}) depends on its own output",
-            "extra_info": {"input_name": None},
-        }])
+        validated[node_id] = (False, [_error(
+            "dependency_cycle", "Dependency cycle detected",
+            f"node {node_id} ({prompt[node_id]['class_type']}) depends on its own output", input_name=None)])
 
     good_outputs: list[str] = []
     failed: list[tuple[str, list[dict]]] = []
@@ -102,12 +100,8 @@ def validate(prompt: Any, node_classes: NodeClasses) -> tuple[bool, dict | None,
             ok, reasons = _validate_node(prompt, node_classes, out_id, validated)
         except Exception as ex:  # a bug in a node's INPUT_TYPES etc.
             log.exception("exception while validating node %s", out_id)
-            ok, reasons = False, [{
-                "type": "exception_during_validation",
-                "message": "Exception when validating node",
-                "details": str(ex),
-                "extra_info": {"exception_type": type(ex).__name__},
-            }]
+            ok, reasons = False, [_error("exception_during_validation", "Exception when validating node", str(ex),
+                                         exception_type=type(ex).__name__)]
             validated[out_id] = (ok, reasons)
         if ok:
             good_outputs.append(out_id)
@@ -126,7 +120,7 @@ def validate(prompt: Any, node_classes: NodeClasses) -> tuple[bool, dict | None,
 
     if not good_outputs:
         details = "\n".join(f"{r['message']}: {r['details']}" for _, rs in failed for r in rs)
-        return (False, _prompt_error("prompt_outputs_failed_validation",
+        return (False, _error("prompt_outputs_failed_validation",
                                      "Prompt outputs failed validation", details),
                 good_outputs, node_errors)
     return (True, None, good_outputs, node_errors)
@@ -209,40 +203,34 @@ def _validate_node(prompt: dict, node_classes: NodeClasses, node_id: str,
         info = (input_type, opts)
         if name not in inputs:
             if category == "required":
-                errors.append({"type": "required_input_missing", "message": "Required input is missing",
-                               "details": name, "extra_info": {"input_name": name}})
+                errors.append(_error("required_input_missing", "Required input is missing", name, input_name=name))
             continue
         val = inputs[name]
         if is_link(val):
             if len(val) != 2:
-                errors.append({"type": "bad_linked_input",
-                               "message": "Bad linked input, must be a length-2 list of [node_id, slot_index]",
-                               "details": name,
-                               "extra_info": {"input_name": name, "input_config": info, "received_value": val}})
+                errors.append(_error("bad_linked_input",
+                                     "Bad linked input, must be a length-2 list of [node_id, slot_index]", name,
+                                     input_name=name, input_config=info, received_value=val))
                 continue
             src_id, slot = str(val[0]), val[1]
             if src_id not in prompt:
-                errors.append({"type": "bad_linked_input",
-                               "message": f"Linked node {src_id} does not exist",
-                               "details": f"{name} <- node {src_id}",
-                               "extra_info": {"input_name": name, "input_config": info, "linked_node": val}})
+                errors.append(_error("bad_linked_input", f"Linked node {src_id} does not exist",
+                                     f"{name} <- node {src_id}", input_name=name, input_config=info, linked_node=val))
                 continue
             src_types = tuple(node_classes[prompt[src_id]["class_type"]].RETURN_TYPES)
             if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(src_types):
-                errors.append({"type": "bad_linked_input",
-                               "message": f"Linked node {src_id} ({prompt[src_id]['class_type']}) has no "
-                                          f"output {slot!r} (it has {len(src_types)})",
-                               "details": f"{name} <- node {src_id} output {slot!r}",
-                               "extra_info": {"input_name": name, "input_config": info, "linked_node": val}})
+                errors.append(_error("bad_linked_input",
+                                     f"Linked node {src_id} ({prompt[src_id]['class_type']}) has no "
+                                     f"output {slot!r} (it has {len(src_types)})",
+                                     f"{name} <- node {src_id} output {slot!r}",
+                                     input_name=name, input_config=info, linked_node=val))
                 continue
             received = src_types[slot]
             received_types[name] = received
             if "input_types" not in fn_args and not types_compatible(received, input_type):
-                errors.append({"type": "return_type_mismatch",
-                               "message": "Return type mismatch between linked nodes",
-                               "details": f"{name}, received_type({received}) mismatch input_type({input_type})",
-                               "extra_info": {"input_name": name, "input_config": info,
-                                              "received_type": received, "linked_node": val}})
+                errors.append(_error("return_type_mismatch", "Return type mismatch between linked nodes",
+                                     f"{name}, received_type({received}) mismatch input_type({input_type})",
+                                     input_name=name, input_config=info, received_type=received, linked_node=val))
                 continue
             ok, _ = _validate_node(prompt, node_classes, src_id, validated)
             if not ok:
@@ -254,41 +242,33 @@ def _validate_node(prompt: dict, node_classes: NodeClasses, node_id: str,
             inputs[name] = val
         if isinstance(input_type, str) and input_type not in WIDGET_TYPES and input_type != "*":
             # ComfyUI lets this through and the node fails later; say it here instead.
-            errors.append({"type": "invalid_input_type",
-                           "message": f"Input of type {input_type} must be linked to a node output, "
-                                      f"got a literal value",
-                           "details": f"{name}, {val!r}",
-                           "extra_info": {"input_name": name, "input_config": info, "received_value": val}})
+            errors.append(_error("invalid_input_type",
+                                 f"Input of type {input_type} must be linked to a node output, got a literal value",
+                                 f"{name}, {val!r}", input_name=name, input_config=info, received_value=val))
             continue
         try:
             val = _convert_literal(input_type, val)
             inputs[name] = val
         except (TypeError, ValueError) as ex:
-            errors.append({"type": "invalid_input_type",
-                           "message": f"Failed to convert an input value to a {input_type} value",
-                           "details": f"{name}, {val!r}, {ex}",
-                           "extra_info": {"input_name": name, "input_config": info,
-                                          "received_value": val, "exception_message": str(ex)}})
+            errors.append(_error("invalid_input_type", f"Failed to convert an input value to a {input_type} value",
+                                 f"{name}, {val!r}, {ex}", input_name=name, input_config=info, received_value=val,
+                                 exception_message=str(ex)))
             continue
         if name in fn_args or fn_kwargs:
             continue  # the node validates this input itself (ComfyUI's rule)
         if "min" in opts and val < opts["min"]:
-            errors.append({"type": "value_smaller_than_min",
-                           "message": f"Value {val} smaller than min of {opts['min']}", "details": name,
-                           "extra_info": {"input_name": name, "input_config": info, "received_value": val}})
+            errors.append(_error("value_smaller_than_min", f"Value {val} smaller than min of {opts['min']}", name,
+                                 input_name=name, input_config=info, received_value=val))
             continue
         if "max" in opts and val > opts["max"]:
-            errors.append({"type": "value_bigger_than_max",
-                           "message": f"Value {val} bigger than max of {opts['max']}", "details": name,
-                           "extra_info": {"input_name": name, "input_config": info, "received_value": val}})
+            errors.append(_error("value_bigger_than_max", f"Value {val} bigger than max of {opts['max']}", name,
+                                 input_name=name, input_config=info, received_value=val))
             continue
         if isinstance(input_type, (list, tuple)) and val not in input_type:
             shown = f"(list of length {len(input_type)})" if len(input_type) > 20 else str(list(input_type))
-            errors.append({"type": "value_not_in_list", "message": "Value not in list",
-                           "details": f"{name}: '{val}' not in {shown}",
-                           "extra_info": {"input_name": name,
-                                          "input_config": None if len(input_type) > 20 else info,
-                                          "received_value": val}})
+            errors.append(_error("value_not_in_list", "Value not in list", f"{name}: '{val}' not in {shown}",
+                                 input_name=name, input_config=None if len(input_type) > 20 else info,
+                                 received_value=val))
             continue
 
     # Like ComfyUI, the node's own check runs when a built-in check failed on another input
@@ -310,9 +290,8 @@ def _validate_node(prompt: dict, node_classes: NodeClasses, node_id: str,
             names = [k for k in call_args if k != "input_types"] or [None]
             for name in names:
                 details = f"{name}" + ("" if result is False else f" - {result}")
-                errors.append({"type": "custom_validation_failed",
-                               "message": "Custom validation failed for node",
-                               "details": details, "extra_info": {"input_name": name}})
+                errors.append(_error("custom_validation_failed", "Custom validation failed for node", details,
+                                     input_name=name))
 
     ret = (not errors and upstream_ok, errors)
     validated[node_id] = ret
