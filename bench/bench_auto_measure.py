@@ -38,8 +38,8 @@ def layers(dim: int, ffn: int, rank: int, form: str, adapters: int, size: float)
         if form == "bf16":
             layer = lin.to(torch.bfloat16)
         else:
-            from comfyui_lora_runtime.standalone.host import quant_ops
-            layer = quant_ops.quantize_model(torch.nn.Sequential(lin), LAYOUTS[form], min_numel=1)[0]
+            from comfyui_lora_runtime.standalone.host import quant_checkpoints
+            layer = quant_checkpoints.quantize_model(torch.nn.Sequential(lin), LAYOUTS[form], min_numel=1)[0]
         w = AdaptedLayer(layer, f"blocks.0.l{i}")
         w.requant_seed = 0 if form == "bf16" else 1 + i  # ComfyUI seeds each layer's stochastic rounding
         for a in range(adapters):

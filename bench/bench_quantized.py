@@ -26,9 +26,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import header, interleaved_rounds, resolve_device  # noqa: E402
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_checkpoints  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -90,11 +90,11 @@ def main() -> None:
         adapter(p, plain, a.rank, i)
     x = torch.randn(1, a.tokens, d).to(device=dev, dtype=torch.bfloat16)
     for layout in a.layouts.split(","):
-        q = quant_ops.quantize_model(plain, layout, min_numel=1)
+        q = quant_checkpoints.quantize_model(plain, layout, min_numel=1)
         ms = {"base": q}
         stacks = {}
         for name, specs, cast in (("dyn1", paths[:1], False), ("dyn4", paths, False), ("cast1", paths[:1], True)):
-            ms[name] = quant_ops.quantize_model(plain, layout, min_numel=1)
+            ms[name] = quant_checkpoints.quantize_model(plain, layout, min_numel=1)
             stacks[name] = applied(ms[name], plan(ms[name], [AdapterSpec(p, 1.0) for p in specs], mode="dynamic"),
                                    fusion_backend=None)
             stacks[name].__enter__()

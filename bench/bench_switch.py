@@ -46,7 +46,8 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_lora_runtime.standalone.host.wan21 import WanConfig, WanModel
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec, LoraInjector, plan
+from comfyui_lora_runtime.lora_runtime.apply import LoraInjector, plan
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
 
 from _timing import load_string
 

@@ -1,15 +1,16 @@
 """lora_runtime: the engine. Pure torch; importable and testable without ComfyUI.
 
-Public API: load_adapter, match_adapter, AdapterSpec, plan, applied, LoraInjector,
+Public API: load_adapter, match_adapter, AdapterSpec, Intent, plan, plan_intent, applied, LoraInjector,
 AdaptedLayer, DecisionCache, runtime_context, Tier, MergeMode and the errors; strength
 schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
 model_call_context (see `schedule`).
 """
 from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
-from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, plan
+from .apply import ApplyReport, LoraInjector, Plan, plan, plan_intent
 from .resident import applied
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
                      MergeRefusedError, NonFiniteMergeError, RestoreError)
+from .intent import AdapterSpec, Intent
 from .decision.policy import DecisionCache, MergeDecision, decide, measure_share_lost
 from .layer.runtime_context import RuntimeContext, current_context, runtime_context
 from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,

@@ -29,38 +29,14 @@ from .errors import LoraRuntimeError, NonFiniteMergeError
 from .updates.param_delta import ParamDelta, ParamPatch
 from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
-from .layer.schedule import Branch, Schedule, parse_branch, varies
+from .intent import AdapterSpec, Intent
+from .layer.schedule import Branch
 from .scaling import combined_factor, layer_strength
-from .settings import (DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength, parse_merge_mode,
-                       parse_restore_memory, parse_tier)
+from .settings import DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength
 from .layer.shared_shrink import group_siblings
 from .layer.wrapper import AdaptedLayer, attached_wrapper
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What a user asked for: a file, a strength, optionally a display name."""
-
-    path: str
-    strength: float = 1.0
-    name: str | None = None
-    enabled: bool = True
-    lenient: bool = False   # apply what matches and list the skipped keys, instead of failing
-    # strength over the steps and per CFG branch (see `schedule`): dynamic path only; `plan`
-    # parses a branch given as text
-    schedule: Schedule | None = None
-    branch: Branch = Branch.BOTH
-    # the content a loader already read (a sampler then uses exactly that); '' = the file as it is
-    content_hash: str = ""
-    # per-block strength and layers left out (see `block_filter`); None: every layer at `strength`
-    blocks: BlockFilter | None = None
-
-    @property
-    def varies(self) -> str:
-        """Why this adapter's strength is not constant over the run ('' when it is)."""
-        return varies(self.schedule, self.branch)
 
 
 @dataclass
@@ -101,16 +77,17 @@ class Plan:
 
 def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_adapter,
          restore=DEFAULT_RESTORE_MEMORY) -> Plan:
-    """Load and match every adapter; validate settings. Touches nothing on the model."""
-    mode, tier, restore = parse_merge_mode(mode), parse_tier(tier), parse_restore_memory(restore)
+    """`plan_intent` of ``Intent(specs, mode, tier, restore)``: the settings parsed there."""
+    return plan_intent(model, Intent(specs, mode, tier, restore), loader=loader)
+
+
+def plan_intent(model: nn.Module, intent: Intent, *, loader=load_adapter) -> Plan:
+    """Load and match every adapter of `intent`. Touches nothing on the model."""
     planned: list[PlannedAdapter] = []
     used: set[str] = set()
-    for spec in specs:
-        check_strength(spec.strength, what=f"strength of {os.path.basename(spec.path)}")
-        branch = parse_branch(spec.branch, where=f"adapter {os.path.basename(spec.path)}")
-        spec = replace(spec, branch=branch) if spec.branch is not branch else spec
+    for spec in intent.adapters:
         c = spec.schedule.constant() if spec.schedule is not None else None
-        if c is not None and c != 1.0 and branch is Branch.BOTH:
+        if c is not None and c != 1.0 and spec.branch is Branch.BOTH:
             # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
             # runs through the scheduled path, where a unit factor is never multiplied
             spec = replace(spec, strength=check_strength(combined_factor(spec.strength, c), what=(
@@ -123,7 +100,7 @@ def plan(model: nn.Module, specs, mode="auto", tier="lossless", *, loader=load_a
         if spec.blocks is not None:
             layers, strengths, blocks = filter_layers(layers, spec.strength, spec.blocks, where=f"adapter {name}")
         planned.append(PlannedAdapter(name, spec, adapter, layers, coverage, strengths, blocks))
-    return Plan(mode, tier, planned, restore=restore)
+    return Plan(intent.mode, intent.tier, planned, restore=intent.restore)
 
 
 def unique_name(name: str, used: set[str]) -> str:

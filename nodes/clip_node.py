@@ -16,7 +16,7 @@ from . import host
 from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.layer.schedule import parse_branch, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, check_strength
-from . import intent
+from . import lifecycle
 from .caches import ADAPTERS
 from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter, check_lora_name
 
@@ -72,9 +72,8 @@ class LoadLoraAdapterModelClip:
         optional = dict(base.get("optional", {}))
         kind, opts = optional["unmatched_keys"]
         optional["unmatched_keys"] = (kind, {**opts, "tooltip": (
-            "error: a key of the file that the model or the CLIP has no layer for stops the run (nothing is "
-            "dropped silently); skip and report: apply the rest and list the skipped keys and text-encoder "
-            "layers on the report.")})
+            "error: a key that the model or the CLIP has no layer for stops the run; skip and report: apply the "
+            "rest and list the skipped keys on the report.")})
         return {"required": required, "optional": optional}
 
     RETURN_TYPES = ("MODEL", "CLIP")
@@ -113,8 +112,8 @@ class LoadLoraAdapterModelClip:
                                          **model_inputs)
             new_model, coverage = out["result"][0], dict(out["ui"]["lora_coverage"][0])
             if line:
-                entries = intent.read(new_model).adapters
-                new_model = intent.with_changes(new_model, adapters=entries[:-1] + (replace(entries[-1], clip=line),))
+                entries = lifecycle.read(new_model).adapters
+                new_model = lifecycle.with_changes(new_model, adapters=entries[:-1] + (replace(entries[-1], clip=line),))
         else:  # text-encoder layers only: nothing for the diffusion model, which passes through as it is
             where = f"{NAME} ({lora_name})"
             parse_schedule(model_inputs.get("strength_schedule", ""), where=where)  # the inputs are still checked

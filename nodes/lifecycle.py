@@ -1,39 +1,21 @@
 """The LoRA runtime around every sampler that samples a MODEL our nodes touched.
 
-Our nodes record an `Intent` on a MODEL clone and `register` this module's wrappers on
-it. They ride on ComfyUI's own ModelPatcher hooks (the bundled host's patcher has the same
-ones), so ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom(Advanced), other packs'
-samplers and our LoRA Sampler all run the same lifecycle:
-
-    OUTER_SAMPLE (ours: plan, check the schedules against the sigmas; the window opens)
-      PREPARE_SAMPLING: ComfyUI's load_models_gpu (it detaches the loaded clones of the base:
-               ON_DETACH, where ours keep their adapters only for this very load; its own weight
-               patches applied, object patches and injections in place); then ours: resume the
-               state the last sampling kept, or apply (attach / merge / mount fusions) on the
-               device and dtype ComfyUI chose
-      pre_run, condition processing (model layers that run here, such as LTX-2's text
-               connectors, run with the adapters)
-      SAMPLER_SAMPLE (ours: schedules, the first-call check, the report) -> the sampler's loop
-    ComfyUI: cleanup; ours: the adapters stay on while the model stays loaded (docs/lifecycle.md,
-    lora_runtime/resident.py); an error or interrupt takes them off
-
-A host path that samples without the OUTER_SAMPLE / PREPARE_SAMPLING hooks gets plan, apply
-and restore around SAMPLER_SAMPLE alone (nothing kept).
+Our nodes record an `Intent` on a MODEL clone (`with_changes`) and `register` this module's wrappers on it. They
+ride on the ModelPatcher hooks (ComfyUI's and the bundled host's), so every sampler runs the same
+lifecycle (docs/lifecycle.md): OUTER_SAMPLE plans and checks the schedules; PREPARE_SAMPLING,
+after the host loaded the model, resumes the kept state or applies; SAMPLER_SAMPLE samples and
+reports. A host path without the first two hooks gets plan, apply and restore around
+SAMPLER_SAMPLE alone (nothing kept).
 
 Contract
-- `register(patcher)` is idempotent; clones inherit the wrapper (ComfyUI copies
-  wrapper lists on clone) and each clone carries its own Intent.
-- The wrapper reads the Intent of the patcher being sampled (``guider.model_patcher``,
-  the exact MODEL object the sampler node received). No adapters and the default tier:
-  it calls straight through.
+- `register(patcher)` is idempotent; clones inherit the wrappers, each clone its own Intent.
+- The wrappers read the Intent of the patcher being sampled; no adapters and the default tier:
+  they call straight through.
 - A sampling that ends normally keeps its adapters on the loaded model (`resident.held`); the
-  host's unload (ON_DETACH with unpatch_all), the load of another MODEL on the same weights, a
-  forward outside our samplings, an error, interrupt or out-of-memory take them off bit for bit
-  (forwards and fusion sites put back); an error then propagates unchanged.
-- The report (the dict the LoRA Sampler shows) is stored on the patcher
-  (`last_report`), logged, and sent to the frontend for the node that is executing
-  (`host.send_report`), so a stock KSampler gets the badge and the LoRA Runtime Report
-  node can put it in the prompt's history.
+  host's unload, another MODEL's load on the same weights, a forward outside our samplings, an
+  error, interrupt or out-of-memory take them off bit for bit; an error then propagates unchanged.
+- The report is stored on the patcher (`last_report`), logged, and sent to the frontend for the
+  node that is executing (`host.send_report`).
 """
 from __future__ import annotations
 
@@ -41,20 +23,22 @@ import contextlib
 import contextvars
 import logging
 import time
+from dataclasses import replace
 
 from . import host
-from ..lora_runtime import applied, compile_watch, plan, resident
+from ..lora_runtime import applied, compile_watch, plan_intent, resident
 from ..lora_runtime.errors import LoraRuntimeError
+from ..lora_runtime.intent import Intent
 from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
-from . import intent as intent_mod
 from . import report as report_mod
 from .caches import ADAPTERS, decision_cache_for
 
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "comfyui_lora_runtime"
+INTENT_KEY = "lora_runtime"   # model_options key of a MODEL's Intent
 _FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("lora_runtime_first_call", default=None)
 
 
@@ -72,6 +56,29 @@ _REPORT_ATTR = "_lora_runtime_report"
 
 def is_registered(patcher) -> bool:
     return host.has_wrappers(patcher, WRAPPER_KEY)
+
+
+def read(model) -> Intent:
+    """The Intent our nodes recorded on `model` (``model_options["lora_runtime"]``); an empty one if none.
+    ComfyUI copies model_options on clone (0.3.64 deep-copies it, newer versions share other objects:
+    an immutable Intent is safe under both), so each branch of a graph keeps its own intent."""
+    found = (getattr(model, "model_options", None) or {}).get(INTENT_KEY)
+    if found is None:
+        return Intent()
+    if not isinstance(found, Intent):
+        raise TypeError(f"model_options[{INTENT_KEY!r}] holds a {type(found).__name__}, not a LoRA runtime Intent; "
+                        "another node wrote to this key")
+    return found
+
+
+def with_changes(model, **changes):
+    """A registered clone of `model` whose intent has `changes` applied (text settings parsed by
+    `Intent`); `model` is untouched."""
+    new = replace(read(model), **changes)  # a bad setting raises here, before anything is cloned
+    clone = model.clone()
+    clone.model_options[INTENT_KEY] = new
+    register(clone)
+    return clone
 
 
 def register(patcher) -> None:
@@ -119,7 +126,7 @@ def _wrappers(dm) -> list:
 def _plan(patcher, want):
     """The plan of `want` on `patcher`'s diffusion model (loads and matches the adapters; touches nothing)."""
     dm = patcher.get_model_object("diffusion_model")
-    p = plan(dm, want.specs(), want.mode, want.tier, loader=ADAPTERS.load, restore=want.restore)
+    p = plan_intent(dm, want, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
     p.requant_seed = host.requant_seed
     return p
@@ -188,7 +195,7 @@ def outer_sample_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper (executor.class_obj: the guider; args = (noise, latent_image, sampler, sigmas,
     ...)): the window of one sampling; every exit restores what PREPARE_SAMPLING applied."""
     patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
-    want = intent_mod.read(patcher) if patcher is not None else None
+    want = read(patcher) if patcher is not None else None
     if want is None or not want.touches_model:
         return executor(*args, **kwargs)
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
@@ -220,7 +227,7 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     Inside a window the adapters are already on; else (a host path without one) they go on here."""
     guider, sigmas = args[0], args[1]
     patcher = guider.model_patcher
-    want = intent_mod.read(patcher)
+    want = read(patcher)
     if not want.touches_model:
         return executor(*args, **kwargs)
     steps = max(1, len(sigmas) - 1)

@@ -20,9 +20,9 @@ from ..lora_runtime.files.adapter import check_adapter_file
 from ..lora_runtime.apply import filter_layers
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule, parse_strength_list
-from ..lora_runtime.settings import (STRENGTH_MAX, STRENGTH_MIN, MergeMode, RestoreMemory, Tier, check_strength,
-                                     parse_restore_memory)
-from . import intent, lifecycle, report
+from ..lora_runtime.intent import AdapterSpec
+from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, MergeMode, RestoreMemory, Tier
+from . import lifecycle, report
 from .caches import ADAPTERS
 
 log = logging.getLogger(__name__)
@@ -33,21 +33,14 @@ UNMATCHED_CHOICES = ("error", "skip and report")
 # the rest (ComfyUI logs them); a file that looks made for another model is refused whatever this says
 UNMATCHED_DEFAULT = UNMATCHED_CHOICES[1]
 SCHEDULE_TOOLTIP = (
-    "Optional strength multiplier over the denoising, applied at run time (never re-merged). Empty: constant. "
-    "One value per step: '1, 1, 1, 1, 0, 0, 0, 0' (as many values as the sampler's steps). Keyframes over the "
-    "denoising percentage, ComfyUI's start_percent convention: '0:1, 0.5:0' (percent:multiplier, percents "
-    "increasing; each holds until the next). 'linear 0:1, 0.5:0.3, 1:0': keyframes joined by straight lines over "
-    "the sampling progress (step i of n at i/n; the first keyframe at 0). A schedule that changes keeps the "
-    "adapter dynamic.")
+    "Optional strength multiplier over the denoising, applied at run time: one value per step ('1, 1, 0, 0'), "
+    "percent:multiplier keyframes ('0:1, 0.5:0') or 'linear 0:1, 1:0'. Empty: constant; a changing schedule "
+    "keeps the adapter dynamic.")
 BLOCKS_TOOLTIP = (
-    "Optional per-block strength and layers left out, multiplied into strength. Entries separated by commas: "
-    "'0-9: 0.5' blocks 0 to 9 at 0.5 (the rest stay at 1); 'double_blocks.0-18: 0.8' one block list (Flux); "
-    "'cross_attn: 0.5' layers whose name contains cross_attn (* ? wildcards); '!cross_attn' leaves those layers "
-    "out; 'only 0-9' keeps only blocks 0-9; '*: 0.5' every layer (later entries override earlier ones). The "
-    "report shows which layers got which strength and how many were left out.")
-STRENGTH_LIST_TOOLTIP = (
-    "Optional FLOAT list from another node (e.g. KJNodes' float lists): one strength multiplier per sampling step, "
-    "as a per-step strength_schedule. Use it or strength_schedule, not both.")
+    "Optional per-block strength and layers left out, e.g. '0-9: 0.5, !cross_attn' or 'only 10-29' (later "
+    "entries win). The report shows which layers got which strength.")
+STRENGTH_LIST_TOOLTIP = ("Optional FLOAT list from another node: one strength multiplier per sampling step. Use it "
+                         "or strength_schedule, not both.")
 
 
 class LoadLoraAdapter:
@@ -66,14 +59,13 @@ class LoadLoraAdapter:
         }, "optional": {
             "unmatched_keys": (list(UNMATCHED_CHOICES), {
                 "default": UNMATCHED_DEFAULT,
-                "tooltip": "skip and report (default, ComfyUI's policy): apply what maps to this model and list "
-                           "the keys it has no layer for on the report; error: any such key stops the run. A file "
-                           "most of whose keys fit no layer (an adapter for another model) is refused either way."}),
+                "tooltip": "skip and report: apply what maps to this model and list the rest on the report "
+                           "(ComfyUI's policy); error: any key with no layer stops the run."}),
             "strength_schedule": ("STRING", {"default": "", "multiline": False, "tooltip": SCHEDULE_TOOLTIP}),
             "branch": (list(BRANCH_CHOICES), {
                 "default": BRANCH_CHOICES[0],
-                "tooltip": "Which guidance branch the adapter acts on: both, the positive (cond) rows only, or "
-                           "the negative (uncond) rows only of each CFG batch. Other than both keeps it dynamic."}),
+                "tooltip": "Which CFG branch the adapter acts on: both, positive only or negative only. Other "
+                           "than both keeps it dynamic."}),
             "blocks": ("STRING", {"default": "", "multiline": False, "tooltip": BLOCKS_TOOLTIP}),
             "strength_list": ("FLOAT", {"forceInput": True, "tooltip": STRENGTH_LIST_TOOLTIP}),
         }}
@@ -117,13 +109,12 @@ class LoadLoraAdapter:
         # names and shapes only: the model is not loaded or patched here
         targets, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
                                           log_coverage=False)  # no match raises here
-        strength = check_strength(strength, what=f"strength of {lora_name}")
+        entry = AdapterSpec(path, strength, lora_name, lenient=lenient, schedule=schedule, branch=branch,
+                            content_hash=adapter.content_hash, blocks=block_filter)  # the strength is checked here
         shown = coverage.to_dict()
         if block_filter is not None:  # an entry selecting none of the adapter's layers raises here
-            shown["blocks"] = filter_layers(targets, strength, block_filter, where=where)[2]
-        entry = intent.AdapterIntent(lora_name, path, strength, lenient, schedule, branch, adapter.content_hash,
-                                     block_filter)
-        out = intent.with_changes(model, adapters=intent.read(model).adapters + (entry,))
+            shown["blocks"] = filter_layers(targets, entry.strength, block_filter, where=where)[2]
+        out = lifecycle.with_changes(model, adapters=lifecycle.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
 
 
@@ -147,11 +138,8 @@ class LoraMergeMode:
                      "merge: always fold into the weights; dynamic: never touch the weights."}),
         }, "optional": {
             "restore_memory": ([m.value for m in RestoreMemory], {"default": RestoreMemory.LEAN.value, "tooltip":
-                               "What a merge keeps to put the weights back bit for bit after sampling. lean: only "
-                               "the few values a recomputation misses (about 1 % of a weight); copy: a full copy "
-                               "of each merged weight (in CPU memory for a GPU weight), so restoring is a copy "
-                               "instead of a recomputation: faster adapter switching, at one copy of every merged "
-                               "weight."}),
+                               "What a merge keeps to restore the weights bit for bit: lean keeps about 1 % of each "
+                               "weight; copy keeps a full copy (faster switching, more memory)."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -161,7 +149,7 @@ class LoraMergeMode:
                    "and what a merge keeps to restore them.")
 
     def set_mode(self, model, mode, restore_memory=RestoreMemory.LEAN.value):
-        return (intent.with_changes(model, mode=MergeMode(mode), restore=parse_restore_memory(restore_memory)),)
+        return (lifecycle.with_changes(model, mode=mode, restore=restore_memory),)
 
 
 class LoraQualityTier:
@@ -180,7 +168,7 @@ class LoraQualityTier:
     DESCRIPTION = "What any sampler that samples this model guarantees about the adapters' numerics."
 
     def set_tier(self, model, tier):
-        return (intent.with_changes(model, tier=Tier(tier)),)
+        return (lifecycle.with_changes(model, tier=tier),)
 
 
 class LoraSampler:
@@ -225,7 +213,7 @@ class LoraSampler:
                              denoise=denoise)
         r = lifecycle.last_report(model)
         if r is None:  # nothing to apply (no adapter, default tier), or no step to run (denoise 0)
-            want = intent.read(model)
+            want = lifecycle.read(model)
             r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME,
                              sample_seconds=time.perf_counter() - t0, steps=steps)
             log.info("%s", report.text(r))
@@ -253,7 +241,7 @@ class LoraRuntimeReport:
 
     def show(self, model, latent):
         r = lifecycle.last_report(model)
-        want = intent.read(model)
+        want = lifecycle.read(model)
         if r is None and not want.touches_model:  # no adapters (and the default tier): nothing was applied
             r = report.build(None, mode=want.mode.value, tier=want.tier.value, host=host.NAME, sample_seconds=0.0,
                              steps=1)

@@ -90,16 +90,12 @@ class LoraStack:
                 # the editor extension reads these to draw a row's choices
                 "lora_names": host.lora_names(), "branch_choices": list(BRANCH_CHOICES),
                 "tooltip": "The adapters, one row each, applied in order as chained Load LoRA Adapter nodes. "
-                           "In the editor: + Add LoRA, and per row on/off, file, strength, schedule, branch, "
-                           "blocks, remove. As text (API, command line): a JSON list of rows "
-                           '{"on": true, "lora": "x.safetensors", "strength": 1.0, "schedule": "", '
-                           '"branch": "both", "blocks": ""}. schedule and blocks take what Load LoRA Adapter\'s '
-                           "strength_schedule and blocks take, e.g. 'linear 0:1, 1:0' and '0-9: 0.5, !cross_attn'."}),
+                           'As text: a JSON list of rows like {"lora": "x.safetensors", "strength": 1.0}.'}),
         }, "optional": {
             "unmatched_keys": (list(UNMATCHED_CHOICES), {
                 "default": UNMATCHED_DEFAULT,
-                "tooltip": "For every row: error stops the run on a key this model has no layer for; skip and "
-                           "report applies the rest and lists the skipped keys on the report."}),
+                "tooltip": "For every row: error stops the run on a key with no layer; skip and report applies "
+                           "the rest and lists the skipped keys."}),
         }}
 
     RETURN_TYPES = ("MODEL",)

@@ -19,8 +19,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from .host import folder_paths, progress
-from .host.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
-                                    format_validation_errors, normalized_prompt)
+from .host.executor import NodeExecutionError, execute_prompt
+from .host.validation import PromptValidationError, format_validation_errors, normalized_prompt
 from .host.workflow_format import WorkflowFormatError, load_workflow, set_widget_value
 
 log = logging.getLogger("comfyui_lora_runtime.cli")

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import quant_ops
+from . import quant_checkpoints, quant_formats, quant_ops
 
 logger = logging.getLogger(__name__)
 
@@ -334,20 +334,20 @@ def load_wan_checkpoint(path, dtype: torch.dtype = torch.float32, device="cpu") 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: only .safetensors checkpoints are supported")
-    raw, metadata = quant_ops.read_safetensors(path)
-    quantized = quant_ops.has_quantized_layers(raw, metadata)
+    raw, metadata = quant_checkpoints.read_safetensors(path)
+    quantized = quant_checkpoints.has_quantized_layers(raw, metadata)
     if quantized:
-        quant_ops.require_comfy_kitchen(str(path))
-        raw = quant_ops.convert_old_quants(raw, metadata, prefixes=("", COMFY_PREFIX))
+        quant_formats.require_comfy_kitchen(str(path))
+        raw = quant_checkpoints.convert_old_quants(raw, metadata, prefixes=("", COMFY_PREFIX))
     sd = strip_prefix(raw)
     try:
-        cfg = WanConfig.from_state_dict(quant_ops.shape_view(sd) if quantized else sd)
+        cfg = WanConfig.from_state_dict(quant_checkpoints.shape_view(sd) if quantized else sd)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     with torch.device("meta"):
         model = WanModel(cfg)
     if quantized:
-        quant_ops.load_quantized_state_dict(model, sd, dtype=dtype, source=str(path))
+        quant_checkpoints.load_quantized_state_dict(model, sd, dtype=dtype, source=str(path))
     else:
         expected = set(model.state_dict().keys())
         missing = sorted(expected - sd.keys())

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_lora_runtime.standalone.host.core_nodes import KSampler
-from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt, validate_prompt
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt
+from comfyui_lora_runtime.standalone.host.validation import validate_prompt
 from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier

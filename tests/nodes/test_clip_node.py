@@ -14,7 +14,7 @@ from comfyui_lora_runtime import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from comfyui_lora_runtime.standalone.host.clip import BundledCLIP, TinyClipTextModel
 from comfyui_lora_runtime.standalone.host.core_nodes import CLIPLoader, CLIPTextEncode
 from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
-from comfyui_lora_runtime.nodes import intent, report
+from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.clip_node import LoadLoraAdapterModelClip
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
 
@@ -95,7 +95,7 @@ def test_text_encoder_part_equals_a_hand_merge_and_the_model_part_equals_load_lo
     assert (cond - plain).abs().max() > 1e-3  # the unpatched CLIP (the wrong answer) is far off
     # the model part: the same intent and the same image as Load LoRA Adapter
     only = LoadLoraAdapter().load(base, "style_te.safetensors", 0.8)["result"][0]
-    a, b = intent.read(model).adapters[0], intent.read(only).adapters[0]
+    a, b = lifecycle.read(model).adapters[0], lifecycle.read(only).adapters[0]
     assert replace_clip(a) == b and a.clip.startswith("8 text-encoder layers (24 tensors) applied to the CLIP")
     y, rep = _sample(model)
     assert torch.equal(y, _sample(only)[0])

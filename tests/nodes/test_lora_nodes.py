@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from comfyui_lora_runtime import NODE_CLASS_MAPPINGS
 from comfyui_lora_runtime.standalone.host import progress
 from comfyui_lora_runtime.standalone.host.core_nodes import CORE_NODE_CLASS_MAPPINGS, UNETLoader
-from comfyui_lora_runtime.standalone.host.executor import (NodeExecutionError, PromptValidationError, execute_prompt,
-                                                        validate_prompt)
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt
+from comfyui_lora_runtime.standalone.host.validation import PromptValidationError, validate_prompt
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode, Tier
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import runtime_leftovers
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier, LoraSampler

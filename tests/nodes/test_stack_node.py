@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from comfyui_lora_runtime.standalone.host.executor import PromptValidationError, execute_prompt, validate_prompt
-from comfyui_lora_runtime.nodes import intent
+from comfyui_lora_runtime.standalone.host.executor import execute_prompt
+from comfyui_lora_runtime.standalone.host.validation import PromptValidationError, validate_prompt
+from comfyui_lora_runtime.nodes import lifecycle
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter
 from comfyui_lora_runtime.nodes.stack_node import LoraStack, parse_rows
 
@@ -68,15 +69,15 @@ def test_same_intent_as_the_chain(base):
     for r in rows:
         m = LoadLoraAdapter().load(m, r["lora"], r["strength"], strength_schedule=r["schedule"],
                                    branch=r["branch"])["result"][0]
-    assert intent.read(stacked) == intent.read(m)
-    assert len(intent.read(stacked).adapters) == 2
-    assert intent.read(base).adapters == ()  # the input is not changed
+    assert lifecycle.read(stacked) == lifecycle.read(m)
+    assert len(lifecycle.read(stacked).adapters) == 2
+    assert lifecycle.read(base).adapters == ()  # the input is not changed
 
 
 def test_rows_off_are_left_out(folders, base):
     rows = [dict(ROWS[0]), dict(ROWS[1], on=False)]
     out = LoraStack().load(base, json.dumps(rows))
-    assert [a.name for a in intent.read(out["result"][0]).adapters] == ["style.safetensors"]
+    assert [a.name for a in lifecycle.read(out["result"][0]).adapters] == ["style.safetensors"]
     assert len(out["ui"]["lora_coverage"]) == 1
     y_off, _ = _run(sampling_graph(_stack(rows), "2"), folders)
     one, last = _chain(rows[:1])
@@ -86,7 +87,7 @@ def test_rows_off_are_left_out(folders, base):
     assert not torch.equal(y_off, y_both)  # the row that is off would change the result
     # every row off: a clone of the input with no adapter
     none = LoraStack().load(base, json.dumps([dict(r, on=False) for r in ROWS]))["result"][0]
-    assert none is not base and intent.read(none).adapters == ()
+    assert none is not base and lifecycle.read(none).adapters == ()
 
 
 @pytest.mark.parametrize("rows,text", [

@@ -12,7 +12,7 @@ from torch import nn
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_checkpoints  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision import estimate  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide  # noqa: E402
@@ -37,7 +37,7 @@ def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> AdaptedLayer:
     with torch.no_grad():
         lin.weight.copy_(torch.randn(ROWS, COLS, generator=g) / COLS ** 0.5)
         lin.weight[TOP] = 0.4
-    w = AdaptedLayer(quant_ops.quantize_model(nn.Sequential(lin), layout, min_numel=1)[0], "l")
+    w = AdaptedLayer(quant_checkpoints.quantize_model(nn.Sequential(lin), layout, min_numel=1)[0], "l")
     w.requant_seed = seed
     for i, size in enumerate(sizes):
         down, up = torch.randn(RANK, COLS, generator=g) * size, torch.randn(ROWS, RANK, generator=g) * size

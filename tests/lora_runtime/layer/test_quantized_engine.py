@@ -14,9 +14,9 @@ from torch import nn
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_checkpoints, quant_ops  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.apply import AdapterSpec  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.errors import LoraRuntimeError, MergeRefusedError  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.files.adapter import target_kind  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import ran_guard  # noqa: E402
@@ -51,22 +51,22 @@ def _quantized(layout):
     plain = _PLAIN[width]
     if kwargs.get("legacy"):
         return plain, _legacy_scaled_fp8(plain), width
-    return plain, quant_ops.quantize_model(plain, name, min_numel=1, **kwargs), width
+    return plain, quant_checkpoints.quantize_model(plain, name, min_numel=1, **kwargs), width
 
 
 def _legacy_scaled_fp8(plain):
     """`plain` with its Linears stored as a legacy scaled-fp8 file stores them (fp8 weight, fp32
     ``scale_weight``, an empty ``scaled_fp8`` marker) and loaded through ComfyUI 0.33's conversion
     (`convert_old_quants`: float8_e4m3fn comfy_quant layers)."""
-    fp8 = quant_ops.quantize_model(plain, LEGACY, min_numel=1, scale="recalculate")
+    fp8 = quant_checkpoints.quantize_model(plain, LEGACY, min_numel=1, scale="recalculate")
     sd = {}
     for k, v in fp8.state_dict().items():
         if k.endswith(".comfy_quant"):
             continue
         sd[k[: -len("weight_scale")] + "scale_weight" if k.endswith(".weight_scale") else k] = v
     sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    q = quant_ops.load_quantized_state_dict(copy.deepcopy(plain), quant_ops.convert_old_quants(sd))
-    layers = quant_ops.quantized_layers(q)
+    q = quant_checkpoints.load_quantized_state_dict(copy.deepcopy(plain), quant_checkpoints.convert_old_quants(sd))
+    layers = quant_checkpoints.quantized_layers(q)
     assert layers and all(m.quant_format == "float8_e4m3fn" and m.layout_type == LEGACY for m in layers.values())
     return q
 
@@ -74,7 +74,7 @@ def _legacy_scaled_fp8(plain):
 def _stored(model):
     """Every quantized weight's stored bytes and scales (cloned), by layer."""
     out = {}
-    for n, m in quant_ops.quantized_layers(model).items():
+    for n, m in quant_checkpoints.quantized_layers(model).items():
         w = m.weight
         out[n] = [w._qdata.clone()] + [v.clone() for v in vars(w._params).values() if isinstance(v, torch.Tensor)]
     return out
@@ -110,7 +110,7 @@ def plain():
 
 
 def test_a_cast_linear_that_is_no_nn_linear_takes_an_adapter(plain):
-    q = quant_ops.quantize_model(plain, "TensorCoreFP8Layout", min_numel=1)
+    q = quant_checkpoints.quantize_model(plain, "TensorCoreFP8Layout", min_numel=1)
     layer = q.blocks[0].self_attn.q
     assert not isinstance(layer, nn.Linear) and target_kind(layer) == "linear"
 
@@ -126,7 +126,7 @@ def test_a_cast_linear_that_is_no_nn_linear_takes_an_adapter(plain):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dynamic_on_each_layout_equals_the_ideal_float_result_and_keeps_the_bytes(tmp_path, layout):
     plain, q, d = _quantized(layout)
-    ideal = quant_ops.dequantized_model(q)
+    ideal = quant_checkpoints.dequantized_model(q)
     path, _ = _adapter(tmp_path, plain, 0.05)
     x = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(0))
     before = _stored(q)
@@ -157,7 +157,7 @@ def test_merge_requantizes_as_the_host_and_restores_the_same_parameter(tmp_path,
     path, pairs = _adapter(tmp_path, plain, 0.3)
     x = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(1))
     before = _stored(q)
-    params = {n: m.weight for n, m in quant_ops.quantized_layers(q).items()}
+    params = {n: m.weight for n, m in quant_checkpoints.quantized_layers(q).items()}
     with torch.no_grad():
         y_base = q(x)
     p = plan(q, [AdapterSpec(path, 1.0)], mode="merge", tier="lossless")
@@ -173,7 +173,7 @@ def test_merge_requantizes_as_the_host_and_restores_the_same_parameter(tmp_path,
         y = q(x)
     assert rep.decision.chosen == "merge"
     assert (y - y_base).abs().max() > 1e-2
-    for n, m in quant_ops.quantized_layers(q).items():
+    for n, m in quant_checkpoints.quantized_layers(q).items():
         assert m.weight is params[n]   # the very Parameter it held
     assert _same_bytes(before, _stored(q))
 
@@ -193,7 +193,7 @@ def test_auto_measures_on_the_layout_grid(tmp_path, layout):
     err = ref = 0.0
     p = plan(q, [AdapterSpec(path, 1.0)], mode="merge", tier="lossless")
     with torch.no_grad(), applied(q, p):
-        for n, m in quant_ops.quantized_layers(q).items():
+        for n, m in quant_checkpoints.quantized_layers(q).items():
             w = attached_wrapper(m)
             if w is None:
                 continue
@@ -228,7 +228,7 @@ def _int8_bypass_model(plain):
     m = copy.deepcopy(plain)
     for b in m.blocks:
         b.ffn = _Ffn(*b.ffn)
-    return quant_ops.quantize_model(m, "TensorWiseINT8Layout", min_numel=1)
+    return quant_checkpoints.quantize_model(m, "TensorWiseINT8Layout", min_numel=1)
 
 
 def _first_call(model, path, x, **spec):
@@ -262,7 +262,7 @@ def test_int8_ffn_bypass_is_detected_and_applied_at_cast_time(plain, tmp_path):
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5)  # fp32 sums in another order
     assert (y - y_base).abs().max() > 1e-2
     assert _same_bytes(before, _stored(q))
-    assert all(not m.weight_function for m in quant_ops.quantized_layers(q).values())  # patch removed
+    assert all(not m.weight_function for m in quant_checkpoints.quantized_layers(q).values())  # patch removed
     # a later sampling of the same loaded model patches them up front, and reports them again
     y3, _, again = _first_call(q, path, x)
     assert again == findings and torch.equal(y3, y)
@@ -280,7 +280,7 @@ def test_without_the_guard_the_bypass_drops_the_adapter(plain, tmp_path):
 
 
 def test_a_layer_that_does_not_run_is_reported_not_patched(plain, tmp_path):
-    q = quant_ops.quantize_model(plain, "TensorWiseINT8Layout", min_numel=1)
+    q = quant_checkpoints.quantize_model(plain, "TensorWiseINT8Layout", min_numel=1)
     q.blocks[1].cross_attn.forward = None  # never called below
     path, _ = _adapter(tmp_path, plain, 0.05, only=("self_attn.q", "cross_attn.q"))
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(5))

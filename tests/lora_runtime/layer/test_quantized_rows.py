@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_formats  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import quantized_rows as qr  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.base_weight import dequantized  # noqa: E402
 
@@ -22,12 +22,12 @@ ROWS = torch.tensor([0, 7, 100, 299])
 
 
 def _weight(layout: str):
-    quant_ops.require_comfy_kitchen()
+    quant_formats.require_comfy_kitchen()
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 256, generator=g)
     w[150, 9] = 9.0  # the largest value, in a row the sample does not hold
     kw = {"scale": "recalculate"} if layout in ELEMENTWISE else {}
-    return quant_ops._quantized_tensor_class().from_float(w, layout, **kw)
+    return quant_formats._quantized_tensor_class().from_float(w, layout, **kw)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("comfy_kitchen")
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
+from comfyui_lora_runtime.standalone.host import quant_checkpoints  # noqa: E402
 from comfyui_lora_runtime.standalone.host.executor import execute_prompt  # noqa: E402
 from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint  # noqa: E402
 from comfyui_lora_runtime.nodes import report  # noqa: E402
@@ -19,8 +19,8 @@ from testkit.refdata import REF  # noqa: E402
 @pytest.fixture
 def int8_model(models_dir):
     wan = load_wan_checkpoint(REF / "tiny_wan_d128_l2.safetensors")
-    q = quant_ops.quantize_model(wan, "TensorWiseINT8Layout")
-    quant_ops.save_quantized(models_dir / "diffusion_models" / "tiny_wan_int8.safetensors", q)
+    q = quant_checkpoints.quantize_model(wan, "TensorWiseINT8Layout")
+    quant_checkpoints.save_quantized(models_dir / "diffusion_models" / "tiny_wan_int8.safetensors", q)
     g = torch.Generator().manual_seed(5)
     pairs = {n: (torch.randn(4, m.in_features, generator=g) * 0.3, torch.randn(m.out_features, 4, generator=g) * 0.3)
              for n, m in wan.named_modules() if n.endswith("ffn.2")}

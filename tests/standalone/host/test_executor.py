@@ -5,8 +5,8 @@ import copy
 import pytest
 
 from comfyui_lora_runtime.standalone.host import progress
-from comfyui_lora_runtime.standalone.host.executor import (NodeExecutionError, PromptValidationError,
-                                                        execute_prompt, validate_prompt)
+from comfyui_lora_runtime.standalone.host.executor import NodeExecutionError, execute_prompt
+from comfyui_lora_runtime.standalone.host.validation import PromptValidationError, validate_prompt
 
 CALLS: list = []
 

@@ -28,9 +28,10 @@ from torch import nn
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 
-from comfyui_lora_runtime.standalone.host import quant_ops  # noqa: E402
-from comfyui_lora_runtime.standalone.host.quant_ops import (QuantLinear, dequantized_model, linear_input_act,  # noqa: E402
-                                                         quantize_model, quantized_layers, save_quantized)
+from comfyui_lora_runtime.standalone.host import quant_checkpoints, quant_formats  # noqa: E402
+from comfyui_lora_runtime.standalone.host.quant_checkpoints import (dequantized_model, quantize_model,  # noqa: E402
+                                                                 quantized_layers, save_quantized)
+from comfyui_lora_runtime.standalone.host.quant_ops import QuantLinear, linear_input_act  # noqa: E402
 from comfyui_lora_runtime.standalone.host.wan21 import WanFeedForward, load_wan_checkpoint  # noqa: E402
 from testkit.random_wan import write_random_wan  # noqa: E402
 
@@ -431,7 +432,7 @@ def test_legacy_scaled_fp8(quantized, call, tmp_path):
         assert m.quant_conf == {} and getattr(m, "input_scale", None) is None
     assert torch.equal(call(b), call(a))
     # a 2-element marker means full_precision_matrix_mult
-    conv = quant_ops.convert_old_quants({"scaled_fp8": torch.zeros(2), "l.weight": torch.zeros(2, 2),
+    conv = quant_checkpoints.convert_old_quants({"scaled_fp8": torch.zeros(2), "l.weight": torch.zeros(2, 2),
                                          "l.scale_weight": torch.ones(()), "l.scale_input": torch.full((), 2.0)})
     assert json.loads(conv["l.comfy_quant"].numpy().tobytes()) == {"format": "float8_e4m3fn",
                                                                   "full_precision_matrix_mult": True}
@@ -456,23 +457,23 @@ def test_unet_loader_node_loads_a_quantized_file(quantized, call, tmp_path):
 def test_without_comfy_kitchen(quantized, tmp_path, monkeypatch, tiny_wan, call):
     path = save_quantized(tmp_path / "wan_fp8.safetensors", quantized["TensorCoreFP8Layout"])
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)   # `import comfy_kitchen` now fails
-    with pytest.raises(quant_ops.ComfyKitchenMissingError, match=r"wan_fp8\.safetensors.*pip install comfy-kitchen"):
+    with pytest.raises(quant_formats.ComfyKitchenMissingError, match=r"wan_fp8\.safetensors.*pip install comfy-kitchen"):
         load_wan_checkpoint(path)
     with pytest.raises(ImportError, match="pip install comfy-kitchen"):
         quantize_model(tiny_wan, "TensorCoreFP8Layout")
 
 
 def test_host_imports_and_runs_without_comfy_kitchen(ref_dir):
-    """A fresh interpreter where comfy_kitchen cannot be imported: the host, wan21 and quant_ops
-    import, and the plain model loads and runs."""
+    """A fresh interpreter where comfy_kitchen cannot be imported: the host, wan21 and the quantized-layer
+    modules import, and the plain model loads and runs."""
     code = (
         "import sys; sys.modules['comfy_kitchen'] = None\n"
         "import torch\n"
-        "from comfyui_lora_runtime.standalone.host import quant_ops, core_nodes\n"
+        "from comfyui_lora_runtime.standalone.host import quant_formats, quant_ops, core_nodes\n"
         "from comfyui_lora_runtime.standalone.host.wan21 import load_wan_checkpoint\n"
         f"m = load_wan_checkpoint({str(ref_dir / 'tiny_wan_d128_l2.safetensors')!r})\n"
         "out = m(torch.zeros(1, 16, 1, 4, 4), torch.tensor([500.0]), torch.zeros(1, 2, 4096))\n"
-        "assert out.shape == (1, 16, 1, 4, 4) and not quant_ops.is_quantized(m.blocks[0].ffn[2].weight)\n"
+        "assert out.shape == (1, 16, 1, 4, 4) and not quant_formats.is_quantized(m.blocks[0].ffn[2].weight)\n"
         "assert 'comfy_kitchen.tensor' not in sys.modules\n"
         "print('ok')\n"
     )
