@@ -16,7 +16,7 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode
 
 

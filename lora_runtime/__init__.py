@@ -5,7 +5,10 @@ LoraLinear, DecisionCache, runtime_context, Tier, MergeMode and the errors; stre
 schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
 model_call_context (see `schedule`).
 """
-from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.coverage import CoverageReport
+from .files.layer_adapter import LayerAdapter, LoraAdapter
+from .files.load import load_adapter
+from .files.match import match_adapter
 from .apply import AdapterSpec, ApplyReport, LoraInjector, Plan, applied, plan
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
                      MergeRefusedError, NonFiniteMergeError, RestoreError)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..scaling import apply_steps, combined_factor, factor_steps, folds_scales, per_rank, times
 from . import stacking
-from ..updates.trace_forms import cast_form, form_dtype, form_out, needs_base_output
+from ..updates.trace_forms import ConvForm
 from .base_weight import real_shape
 from .runtime_context import adapter_cell, current_context
 from .stacking import can_add_inplace, row_mask
@@ -105,7 +105,7 @@ def _segments(dyn, f, device, dtype):
     segs = []
     for s in dyn:
         v, k = s.update, combined_factor(s.strength, f[s.name][0])
-        parts = v.parts if v.kind == "sliced" else ((0, v.out_features, v),) if s.stackable else None
+        parts = v.row_parts if v.row_parts is not None else ((0, v.out_features, v),) if s.stackable else None
         if parts is None:
             return None
         for lo, hi, pv in parts:
@@ -165,7 +165,7 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
             a, b, scale = s.update.stack(device, dtype)
             pairs.append((a, b, factor_steps((scale, s.strength, f[s.name][0]), ctx)))
         run = _Exact(tuple(pairs))
-    elif simple and folds_scales(ctx) and any(s.update.kind == "sliced" for s in dyn):
+    elif simple and folds_scales(ctx) and any(s.update.row_parts is not None for s in dyn):
         segs = _segments(dyn, f, device, dtype)
         if segs is not None:
             run = _segmented(segs, real_shape(lw.weight)[0])
@@ -177,7 +177,7 @@ def build(lw: "LoraLinear", ctx, device, dtype) -> CallPlan:
 # --- compiled calls --------------------------------------------------------------------------
 class TracePlan:
     """Per live stack() slot (A [r, in], B [out, r], slot factor fp32 0-d, AdapterCell); per other
-    live slot (trace-form kind, tensors, slot factor fp32 0-d, AdapterCell); per enabled slot
+    live slot (trace form, slot factor fp32 0-d, AdapterCell); per enabled slot
     with an output offset (diff_b fp32 [out], strength fp32 0-d, AdapterCell), on `device`.
     `base_bias`: what a form that reads the base output (DoRA) subtracts from the call's output
     to get x Wᵀ (None: the layer has no bias); `needs_y0`: some form reads it."""
@@ -186,7 +186,7 @@ class TracePlan:
     def __init__(self, device, slots, layer, offsets=(), forms=(), base_bias=None):
         self.device, self.slots, self.offsets, self.layer = device, slots, offsets, layer
         self.forms, self.base_bias = forms, base_bias
-        self.needs_y0 = any(needs_base_output(f[0]) for f in forms)
+        self.needs_y0 = any(f[0].needs_base_output for f in forms)
 
 
 def _trace_pair(s, device, dtype):
@@ -196,9 +196,9 @@ def _trace_pair(s, device, dtype):
     v = s.update
     if v.needs_base_output:
         return None
-    if v.kind == "sliced":
-        parts = [(lo, hi, p.stack(device, dtype or p.stack()[0].dtype)) for lo, hi, p in v.parts]
-        if any(st is None for _, _, st in parts) or any(p.needs_base_output for _, _, p in v.parts):
+    if v.row_parts is not None:
+        parts = [(lo, hi, p.stack(device, dtype or p.stack()[0].dtype)) for lo, hi, p in v.row_parts]
+        if any(st is None for _, _, st in parts) or any(p.needs_base_output for _, _, p in v.row_parts):
             return None
         a = torch.cat([st[0] for _, _, st in parts], 0)
         b = a.new_zeros(v.out_features, a.shape[0])
@@ -240,7 +240,7 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
                 return None
             kern = s.update.delta(device, torch.float32).reshape(real_shape(conv.weight))
             geometry = (conv.stride, conv.padding, conv.dilation, conv.groups)
-            forms.append(("conv", (kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
+            forms.append((ConvForm(kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
                           torch.tensor(float(s.strength), dtype=torch.float32, device=device),
                           adapter_cell(s.name, device)))
             continue
@@ -254,11 +254,11 @@ def build_trace_plan(lw: "LoraLinear") -> TracePlan | None:
                                    weight=lw.dense_weight if s.update.needs_weight else None)
         if form is None:
             return None
-        kind, tensors, scale = form
+        form, scale = form
         k = torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
-        forms.append((kind, tensors, k, adapter_cell(s.name, device)))
+        forms.append((form, k, adapter_cell(s.name, device)))
     base_bias = None
-    if any(needs_base_output(f[0]) for f in forms):
+    if any(f[0].needs_base_output for f in forms):
         ok, base_bias = lw.base_bias_to_subtract()
         if not ok:
             return None
@@ -280,10 +280,10 @@ def traced_forward(lw: "LoraLinear", x: torch.Tensor, y: torch.Tensor) -> torch.
     y0 = None
     if tp.needs_y0:  # x Wᵀ, read off the base output before anything is added to it
         y0 = y if tp.base_bias is None else y - tp.base_bias.to(y.dtype)
-    for kind, t, k, cell in tp.forms:
-        if form_dtype(kind, t) != x.dtype:
-            t = cast_form(kind, t, x.dtype)
-        o = form_out(kind, t, x, y0)
+    for form, k, cell in tp.forms:
+        if form.dtype != x.dtype:
+            form = form.cast(x.dtype)
+        o = form.out(x, y0)
         o = (o.float() * (k * cell.factor)).to(o.dtype)
         if cell.mask is not None:
             o = o * row_mask(cell.mask, o, tp.layer)

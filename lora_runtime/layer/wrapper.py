@@ -40,7 +40,7 @@ from ..settings import Tier
 from ..updates import Update
 
 if TYPE_CHECKING:
-    from ..files.adapter import LayerAdapter
+    from ..files.layer_adapter import LayerAdapter
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 

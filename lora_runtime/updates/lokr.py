@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..scaling import combined_factor, times
 from .base import Update, as_linear, rows_on, swap_halves
+from .trace_forms import TraceForm
 
 _NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
@@ -25,7 +26,12 @@ class LoKr(Update):
     label = "LoKr"
     KEY_PARTS = ((re.compile(r"^(?:" + "|".join(_NAMES) + r")$"), ""),)
     ROLES = _NAMES
+    FILE_KEYS = ((re.compile(r"\.(?P<name>lokr_w[12](?:_[ab])?|lokr_t2)$"), "{name}"),)
+    FORMATS = ((1, FILE_KEYS[0][0], "lycoris-lokr"),)
+    SUPPORTED = "LoKr (lokr_*)"
     takes_dora = True
+    scaled_by_alpha = True
+    squeezes_factors = True
 
     def __init__(self, *, w1: Tensor | None = None, w1_a: Tensor | None = None, w1_b: Tensor | None = None,
                  w2: Tensor | None = None, w2_a: Tensor | None = None, w2_b: Tensor | None = None,
@@ -57,7 +63,7 @@ class LoKr(Update):
                 raise self._err(f"lokr_t2 is {tuple(self.t2.shape)}; with lokr_w2_a {tuple(self.w2_a.shape)} "
                                 f"[ra, c] and lokr_w2_b {tuple(self.w2_b.shape)} [rb, d] it must be "
                                 f"[{self.w2_a.shape[0]}, {self.w2_b.shape[0]}]")
-        self._check_bias()
+        self.check_bias()
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
@@ -85,6 +91,11 @@ class LoKr(Update):
         if self.w1 is None:
             return int(self.w1_b.shape[0])
         return None
+
+    @property
+    def ignores_alpha(self) -> bool:
+        """Both Kronecker factors are full: the scale is 1.0 whatever alpha says."""
+        return self.dim is None
 
     @property
     def scale(self) -> float:
@@ -191,6 +202,26 @@ class LoKr(Update):
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
         w1 = self._w1(device, dtype)
         if self._w2_factored():   # the dense w2 is never formed
-            return "kron2", (w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
-                             self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
-        return "kron", (w1, self._w2(device, dtype)), self.scale
+            return KronForm(w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
+                            self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
+        return KronForm(w1, self._w2(device, dtype)), self.scale
+
+
+class KronForm(TraceForm):
+    """w1 [p, q], w2 [c, d]: x through kron(w1, w2) without forming it; with three tensors
+    (w1, w2a [c, r], w2b [r, d]) w2 = w2a w2b stays factorised."""
+
+    @property
+    def kind(self) -> str:
+        return "kron" if len(self.tensors) == 2 else "kron2"
+
+    def out(self, x: Tensor, y0: Tensor | None = None) -> Tensor:
+        w1 = self.tensors[0]
+        q = w1.shape[1]
+        lead = x.shape[:-1]
+        u = torch.matmul(w1, x.reshape(*lead, q, x.shape[-1] // q))   # [..., p, d]: mix over w1 first
+        if len(self.tensors) == 2:
+            y = F.linear(u, self.tensors[1])
+        else:
+            y = F.linear(F.linear(u, self.tensors[2]), self.tensors[1])
+        return y.reshape(*lead, -1)

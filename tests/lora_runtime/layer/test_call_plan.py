@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import LoraLinear, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer import call_plan
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 from comfyui_lora_runtime.lora_runtime.layer.schedule import Branch, SamplingSchedules, parse_schedule
