@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .family_tables import SHARED_NAMES, A, D, N, P, X  # noqa: F401
+from .family_tables import SHARED_NAMES, A, D, N, P, X
 from .stem_prefix import ANY_DOTTED, NATIVE_DOTTED
 
 @dataclass(frozen=True)

@@ -345,7 +345,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
         w.prepare_trace()
         tp = w._trace_plan
         assert tp is not None and not tp.slots and len(tp.forms) == 1
-        assert tp.forms[0][0] == FORM_OF[kind]
+        assert tp.forms[0][0].kind == FORM_OF[kind]
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
@@ -452,7 +452,7 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     try:
         w.prepare_trace()
         tp = w._trace_plan
-        assert tp is not None and [f[0] for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
+        assert tp is not None and [f[0].kind for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
         cf = torch.compile(conv, backend=counting, dynamic=False)
         with torch.no_grad():
             base = _strengths_and_tiers(w, conv, cf, x, _far)
