@@ -205,12 +205,6 @@ def default_folders() -> ModelFolders:
     return _default
 
 
-def set_default_folders(folders: ModelFolders | None) -> None:
-    """Replace the process default (None: rebuild from the environment on next use)."""
-    global _default
-    _default = folders
-
-
 def active_folders() -> ModelFolders:
     return _active.get() or default_folders()
 
