@@ -11,7 +11,7 @@ against the model) and a *part*:
   delta; also PEFT's ``.lora_B.bias``), ``.diff_m`` (a delta of a bare parameter, e.g.
   Wan's ``modulation``), ``.w_norm`` / ``.b_norm`` (norm weight / bias deltas);
 - LyCORIS LoHa (``hada_w1_a`` ... ``hada_t2``) and LoKr (``lokr_w1`` ... ``lokr_t2``);
-- ``lora_mid`` (LoCon Tucker core; `conv_tucker` folds it into the down factor at load);
+- ``lora_mid`` (LoCon Tucker core; `LoRA.to_matrices` folds it into the down factor at load);
 - recognised only to be refused by name: OFT, ``set_weight``, ``reshape_weight``.
 
 The endings come from the registered update types (`updates.registry.file_keys`: each type's

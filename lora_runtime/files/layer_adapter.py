@@ -5,10 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import AdapterFormatError
 from .. import updates
-from ..updates.registry import squeezes
-from . import conv_tucker
+from ..updates.registry import to_matrices
 from .param_deltas import PARAM_ONLY
 
 
@@ -55,28 +53,10 @@ class LayerAdapter:
         return self.update
 
     def _matrix_parts(self) -> dict:
-        """Parts for `updates.detect`, conv (LoCon) factors flattened to matrices."""
-        out, kernel = conv_tucker.fold(self.parts, self.stem)   # Tucker cores -> matrix factors
+        """Parts for `updates.detect`, conv (LoCon) factors rewritten as matrices by their types."""
+        out, kernel = to_matrices(self.parts, self.stem)
         if kernel:
             self.kernel = kernel
-        down, up, diff = out.get("down"), out.get("up"), out.get("diff")
-        if down is not None and down.dim() > 2:
-            self.kernel = tuple(int(k) for k in down.shape[2:])
-            out["down"] = down.reshape(down.shape[0], -1)
-            if up is not None and up.dim() > 2:
-                if any(k != 1 for k in up.shape[2:]):
-                    raise AdapterFormatError(f"{self.stem}: the up factor has a {tuple(up.shape[2:])} kernel; only "
-                                             "LoCon with a 1x1 up convolution is supported")
-                out["up"] = up.reshape(up.shape[0], up.shape[1])
-        elif up is not None and up.dim() > 2 and all(k == 1 for k in up.shape[2:]):
-            out["up"] = up.reshape(up.shape[0], up.shape[1])
-        if diff is not None and diff.dim() > 2:
-            self.kernel = tuple(int(k) for k in diff.shape[2:])
-            out["diff"] = diff.reshape(diff.shape[0], -1)
-        for k in [k for k in out if squeezes(k)]:
-            t = out[k]
-            if t.dim() > 2 and all(d == 1 for d in t.shape[2:]):
-                out[k] = t.reshape(t.shape[0], t.shape[1])
         return out
 
     def __repr__(self) -> str:

@@ -58,6 +58,14 @@ def as_linear(t: Tensor, stem: str, name: str) -> Tensor:
     raise AdapterFormatError(f"{stem}.{name} has shape {tuple(t.shape)}; expected a matrix")
 
 
+def squeeze_factors(parts: dict, prefix: str) -> None:
+    """Parts named `prefix`... with trailing 1-sized dims (1x1 conv factors) as matrices, in place."""
+    for k in [k for k in parts if k.startswith(prefix)]:
+        t = parts[k]
+        if t.dim() > 2 and all(d == 1 for d in t.shape[2:]):
+            parts[k] = t.reshape(t.shape[0], t.shape[1])
+
+
 def swap_halves(t: Tensor | None) -> Tensor | None:
     """`t` with the two halves of its first dim exchanged (None stays None)."""
     if t is None:
@@ -93,8 +101,7 @@ class Update(abc.ABC):
     type present on a layer, ``FORMATS`` (rank, pattern on the key, format label) (the lowest
     rank that matches labels a key), ``SUPPORTED`` how errors list its keys, ``label`` its name
     in errors, ``takes_dora`` whether a DoRA magnitude may wrap it, ``wraps`` whether it wraps
-    another type (DoRA), ``scaled_by_alpha`` whether its scale reads alpha, ``squeezes_factors``
-    whether its factors with trailing 1-sized dims are read as matrices, ``conv_refusal`` why
+    another type (DoRA), ``scaled_by_alpha`` whether its scale reads alpha, ``conv_refusal`` why
     it cannot go on a convolution (None: it can)."""
 
     kind: ClassVar[str] = ""
@@ -107,7 +114,6 @@ class Update(abc.ABC):
     takes_dora: ClassVar[bool] = False
     wraps: ClassVar[bool] = False
     scaled_by_alpha: ClassVar[bool] = False
-    squeezes_factors: ClassVar[bool] = False
     conv_refusal: ClassVar[str | None] = None
 
     def __init__(self, stem: str = "", alpha: float | None = None, diff_b: Tensor | None = None):
@@ -125,6 +131,12 @@ class Update(abc.ABC):
     def claims(cls, role: str) -> bool:
         """Does this type own the role (a key part's role, see `KEY_PARTS`)?"""
         return role in cls.ROLES
+
+    @classmethod
+    def to_matrices(cls, parts: dict, stem: str) -> tuple[int, ...]:
+        """Rewrite this type's parts of a convolution update (LoCon) in `parts` (in place) as the
+        matrices `from_roles` takes; the conv kernel shape, or () when there is none."""
+        return ()
 
     @classmethod
     def from_roles(cls, roles: Mapping[str, Tensor], names: Mapping[str, str], alpha: float | None, *,

@@ -35,6 +35,15 @@ class Full(Update):
         self.check_bias()
 
     @classmethod
+    def to_matrices(cls, parts, stem):
+        """A conv diff [out, in, k...] flattened to [out, in * K]."""
+        diff = parts.get("diff")
+        if diff is None or diff.dim() <= 2:
+            return ()
+        parts["diff"] = diff.reshape(diff.shape[0], -1)
+        return tuple(int(k) for k in diff.shape[2:])
+
+    @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
         return cls(roles["diff"], alpha, stem=stem, diff_b=diff_b)
 

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, compute_dtype, rows_on, swap_halves
+from .base import Update, as_linear, compute_dtype, rows_on, squeeze_factors, swap_halves
+from .conv_cores import core_pair, has_kernel
 from .trace_forms import DenseForm, PairForm
 
 _NAMES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
@@ -32,7 +33,23 @@ class LoHa(Update):
     SUPPORTED = "LoHa (hada_*)"
     takes_dora = True
     scaled_by_alpha = True
-    squeezes_factors = True
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """Kernel-sized CP cores folded into the plain pairs (`conv_cores`); 1x1 factors squeezed."""
+        kernel: tuple[int, ...] = ()
+        t1, t2 = parts.get("hada_t1"), parts.get("hada_t2")
+        if has_kernel(t1) or has_kernel(t2):
+            if t1 is None or t2 is None or t1.shape[2:] != t2.shape[2:]:
+                raise AdapterFormatError(f"{stem}: hada_t1 and hada_t2 must both be present with the same kernel")
+            for i, t in ((1, t1), (2, t2)):
+                a, b = core_pair(t, parts[f"hada_w{i}_a"], parts[f"hada_w{i}_b"],
+                                 (f"hada_t{i}", f"hada_w{i}_a", f"hada_w{i}_b"), stem)
+                parts[f"hada_w{i}_a"], parts[f"hada_w{i}_b"] = a, b
+                del parts[f"hada_t{i}"]
+            kernel = tuple(int(k) for k in t1.shape[2:])
+        squeeze_factors(parts, "hada_")
+        return kernel
 
     def __init__(self, w1a: Tensor, w1b: Tensor, w2a: Tensor, w2b: Tensor, alpha: float | None = None, *,
                  t1: Tensor | None = None, t2: Tensor | None = None, stem: str = "",

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, rows_on, swap_halves
+from .base import Update, as_linear, rows_on, squeeze_factors, swap_halves
+from .conv_cores import core_pair, has_kernel
 from .trace_forms import TraceForm
 
 _NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
@@ -31,7 +33,26 @@ class LoKr(Update):
     SUPPORTED = "LoKr (lokr_*)"
     takes_dora = True
     scaled_by_alpha = True
-    squeezes_factors = True
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """A kernel-sized Tucker core folded into w2's pair (`conv_cores`), a full conv w2 flattened
+        to [out2, in2 * K]; 1x1 factors squeezed."""
+        kernel: tuple[int, ...] = ()
+        t = parts.get("lokr_t2")
+        if has_kernel(t):
+            if "lokr_w2_a" not in parts or "lokr_w2_b" not in parts:
+                raise AdapterFormatError(f"{stem}: lokr_t2 without lokr_w2_a / lokr_w2_b")
+            parts["lokr_w2_a"], parts["lokr_w2_b"] = core_pair(t, parts["lokr_w2_a"], parts["lokr_w2_b"],
+                                                               ("lokr_t2", "lokr_w2_a", "lokr_w2_b"), stem)
+            del parts["lokr_t2"]
+            kernel = tuple(int(k) for k in t.shape[2:])
+        w2 = parts.get("lokr_w2")
+        if has_kernel(w2):  # a full conv w2 [out2, in2, k...] (no core): the same flattening
+            parts["lokr_w2"] = w2.reshape(w2.shape[0], -1)
+            kernel = tuple(int(k) for k in w2.shape[2:])
+        squeeze_factors(parts, "lokr_")
+        return kernel
 
     def __init__(self, *, w1: Tensor | None = None, w1_a: Tensor | None = None, w1_b: Tensor | None = None,
                  w2: Tensor | None = None, w2_a: Tensor | None = None, w2_b: Tensor | None = None,

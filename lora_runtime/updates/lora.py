@@ -17,6 +17,7 @@ from torch import Tensor
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
 from .base import Update, as_linear, rows_on, swap_halves
+from .conv_cores import fold_mid
 from .trace_forms import PairForm
 
 
@@ -58,6 +59,25 @@ class LoRA(Update):
             raise self._err(f"up is {tuple(self.up.shape)} and down is {tuple(self.down.shape)}: "
                             f"up has {self.up.shape[1]} columns, down has {self.down.shape[0]} rows (the rank)")
         self.check_bias()
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """A LoCon Tucker core folded into down; a conv down flattened to [r, in * K]; a 1x1 up squeezed."""
+        if "lora_mid.weight" in parts and "down" in parts:
+            parts["down"] = fold_mid(parts.pop("lora_mid.weight"), parts["down"], stem)
+        down, up = parts.get("down"), parts.get("up")
+        kernel: tuple[int, ...] = ()
+        if down is not None and down.dim() > 2:
+            kernel = tuple(int(k) for k in down.shape[2:])
+            parts["down"] = down.reshape(down.shape[0], -1)
+            if up is not None and up.dim() > 2:
+                if any(k != 1 for k in up.shape[2:]):
+                    raise AdapterFormatError(f"{stem}: the up factor has a {tuple(up.shape[2:])} kernel; only "
+                                             "LoCon with a 1x1 up convolution is supported")
+                parts["up"] = up.reshape(up.shape[0], up.shape[1])
+        elif up is not None and up.dim() > 2 and all(k == 1 for k in up.shape[2:]):
+            parts["up"] = up.reshape(up.shape[0], up.shape[1])
+        return kernel
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, rslora: bool = False, **_):

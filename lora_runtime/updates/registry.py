@@ -97,7 +97,10 @@ def scaled_by_alpha(parts) -> bool:
                for cls in UPDATE_TYPES)
 
 
-def squeezes(part: str) -> bool:
-    """Whether the part is a factor read as a matrix when its trailing dims are all 1."""
-    role = classify_part(part)
-    return role is not None and any(cls.squeezes_factors and cls.claims(role) for cls in UPDATE_TYPES)
+def to_matrices(parts: dict, stem: str) -> tuple[dict, tuple[int, ...]]:
+    """(the parts with every type's convolution factors rewritten as matrices, the conv kernel or ())."""
+    out = dict(parts)
+    kernel: tuple[int, ...] = ()
+    for cls in UPDATE_TYPES:
+        kernel = cls.to_matrices(out, stem) or kernel
+    return out, kernel
