@@ -21,7 +21,7 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode
 
 LAYOUTS = {"fp8": "TensorCoreFP8E4M3Layout", "int8": "TensorWiseINT8Layout", "mxfp8": "TensorCoreMXFP8Layout",

@@ -13,7 +13,7 @@ import time
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, measure_share_lost
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
 
 def wrapped(rel: float, n: int = 1536, r: int = 32, dtype=torch.bfloat16, seed: int = 0) -> AdaptedLayer:

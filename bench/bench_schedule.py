@@ -92,7 +92,7 @@ def overhead_us(rank: int, calls: int = 5000) -> tuple[float, float]:
     """(us a scheduled call of one adapted layer adds over a constant one, us to resolve a model
     call's factors): the same code paths on a 64x64 layer, where the GEMMs cost next to nothing,
     constant and scheduled timed in alternating blocks, one thread, fastest block of each."""
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
     from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
     g = torch.Generator().manual_seed(0)

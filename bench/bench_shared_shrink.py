@@ -33,7 +33,7 @@ from torch import nn
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
 from comfyui_lora_runtime.lora_runtime import updates as U
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, applied, plan
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.general_path import forward_general, select
 from comfyui_lora_runtime.lora_runtime.layer.runtime_context import current_context
 

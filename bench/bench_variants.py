@@ -30,7 +30,7 @@ from _timing import header, interleaved_rounds, parse_dtype  # noqa: E402
 
 try:
     from comfyui_lora_runtime.lora_runtime import updates
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.runtime_context import runtime_context
     from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 except ImportError as e:  # pragma: no cover

@@ -320,7 +320,7 @@ def shipped_layer(w, b, a, bb, ranks):
     (alpha = rank, so each factor is its strength, as make_inputs' scale)."""
     from torch import nn
 
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
     lin = nn.Linear(w.shape[1], w.shape[0], device="meta")
     lin.weight, lin.bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)

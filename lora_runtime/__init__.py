@@ -5,7 +5,10 @@ AdaptedLayer, DecisionCache, runtime_context, Tier, MergeMode and the errors; st
 schedules and branches: parse_schedule, Branch, SamplingSchedules, sampling_schedules,
 model_call_context (see `schedule`).
 """
-from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.coverage import CoverageReport
+from .files.layer_adapter import LayerAdapter, LoraAdapter
+from .files.load import load_adapter
+from .files.match import match_adapter
 from .apply import ApplyReport, LoraInjector, Plan, plan, plan_intent
 from .resident import applied
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,

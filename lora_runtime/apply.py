@@ -24,9 +24,13 @@ from typing import Callable
 from torch import nn
 
 from .block_filter import BlockFilter, groups as block_groups
-from .files.adapter import CoverageReport, LayerAdapter, LoraAdapter, load_adapter, match_adapter
+from .files.coverage import CoverageReport
+from .files.layer_adapter import LayerAdapter, LoraAdapter
+from .files.load import load_adapter
+from .files.match import match_adapter
 from .errors import LoraRuntimeError, NonFiniteMergeError
-from .updates.param_delta import ParamDelta, ParamPatch
+from .files.param_deltas import ParamDelta
+from .param_patch import ParamPatch
 from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .intent import AdapterSpec, Intent

@@ -16,7 +16,7 @@ import time
 
 from . import host
 from ..lora_runtime import LoraRuntimeError, match_adapter
-from ..lora_runtime.files.adapter import check_adapter_file
+from ..lora_runtime.files.header_check import check_adapter_file
 from ..lora_runtime.apply import filter_layers
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule, parse_strength_list

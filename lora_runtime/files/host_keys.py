@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from .dialects import Target
+from .resolve import Target
 from .key_formats import split_key
 
 log = logging.getLogger(__name__)
@@ -208,3 +208,32 @@ def host_targets(adapter, hmap: HostKeyMap, modules: Mapping[str, nn.Module], pa
             what = f"{e.name}.weight" if e.weight else e.name
             why[stem] = f"{hmap.who} sends it to {what}, which this model does not have"
     return placed, why
+
+
+def place_as_host(adapter, hmap: "HostKeyMap", resolved: dict, modules: dict, params: dict
+                  ) -> tuple[dict[str, str], list[str]]:
+    """Put the host's targets into ``resolved`` (in place): a stem the host's key map places goes
+    where the host puts it, rows and swapped halves included; the family tables keep the stems
+    the host's map does not know. Returns ({stem: why the host's entry is not used}, report notes)."""
+    placed, why = host_targets(adapter, hmap, modules, params)
+    differ, ours_only = [], []
+    for stem in adapter.layers:
+        h, t = placed.get(stem), resolved.get(stem)
+        if h is not None:
+            if t is not None and (t.module, t.rows, t.param, t.swap_halves) == (h.module, h.rows, h.param,
+                                                                                 h.swap_halves):
+                continue   # the same place: keep the table's dialect label
+            if t is not None:
+                differ.append(f"{stem} -> {h.module} (tables: {t.module})")
+            resolved[stem] = h
+        elif t is not None:
+            ours_only.append(stem)
+    if differ:
+        log.info("LoRA %s: %d keys go where %s puts them, not where the pack's tables would (e.g. %s)",
+                 adapter.name, len(differ), hmap.who, "; ".join(differ[:3]))
+    notes = [f"{len(placed)} of the file's {len(adapter.layers)} layers placed by {hmap.who} "
+             f"({hmap.source or 'read at run time'})"]
+    if ours_only:
+        notes.append(f"{len(ours_only)} layers placed by the pack's own key tables, which {hmap.host}'s own "
+                     f"loader does not load (e.g. {', '.join(ours_only[:3])})")
+    return why, notes

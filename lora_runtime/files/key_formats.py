@@ -11,49 +11,23 @@ against the model) and a *part*:
   delta; also PEFT's ``.lora_B.bias``), ``.diff_m`` (a delta of a bare parameter, e.g.
   Wan's ``modulation``), ``.w_norm`` / ``.b_norm`` (norm weight / bias deltas);
 - LyCORIS LoHa (``hada_w1_a`` ... ``hada_t2``) and LoKr (``lokr_w1`` ... ``lokr_t2``);
-- ``lora_mid`` (LoCon Tucker core; `conv_tucker` folds it into the down factor at load);
+- ``lora_mid`` (LoCon Tucker core; `LoRA.to_matrices` folds it into the down factor at load);
 - recognised only to be refused by name: OFT, ``set_weight``, ``reshape_weight``.
+
+The endings come from the registered update types (`updates.registry.file_keys`: each type's
+``FILE_KEYS``, then the parts every layer may carry, parameter deltas and refused parts).
 
 `guess_family` names the model family a set of stems looks like, for the error when
 an adapter for another model is put on this one.
 """
 from __future__ import annotations
 
-import re
-
-# (suffix, part); longest first. A "{slot}" group captures PEFT's adapter name.
-_SUFFIXES: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"\.lora_down\.weight$"), "down"),
-    (re.compile(r"\.lora_up\.weight$"), "up"),
-    (re.compile(r"\.lora\.down\.weight$"), "down"),
-    (re.compile(r"\.lora\.up\.weight$"), "up"),
-    (re.compile(r"\.lora_linear_layer\.down\.weight$"), "down"),
-    (re.compile(r"\.lora_linear_layer\.up\.weight$"), "up"),
-    (re.compile(r"\.lora_A(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.weight$"), "down"),
-    (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.weight$"), "up"),
-    (re.compile(r"\.lora_magnitude_vector(?:\.(?P<slot>[A-Za-z0-9_\-]+))?(?:\.weight)?$"), "dora"),
-    (re.compile(r"\.dora_scale$"), "dora"),
-    (re.compile(r"\.alpha$"), "alpha"),
-    (re.compile(r"\.diff_b$"), "diff_b"),
-    (re.compile(r"\.diff_m$"), "diff_m"),
-    (re.compile(r"\.diff$"), "diff"),
-    (re.compile(r"\.w_norm$"), "w_norm"),
-    (re.compile(r"\.b_norm$"), "b_norm"),
-    # LyCORIS LoHa / LoKr factors: the part is the key's own name (see updates.detect)
-    (re.compile(r"\.(?P<name>hada_w[12]_[ab]|hada_t[12]|lokr_w[12](?:_[ab])?|lokr_t2)$"), "{name}"),
-    # XLabs: double_blocks.0.processor.qkv_lora1.down.weight (ComfyUI lora_convert.convert_uso_lora)
-    (re.compile(r"(?<=_lora[12])\.down\.weight$|(?<=_lora)\.down\.weight$"), "down"),
-    (re.compile(r"(?<=_lora[12])\.up\.weight$|(?<=_lora)\.up\.weight$"), "up"),
-    # PEFT lora_bias / BFL control LoRA: an output offset (ComfyUI maps it to diff_b)
-    (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.bias$"), "diff_b"),
-    # recognised so the error names them (updates.detect refuses them with the reason)
-    (re.compile(r"\.(?P<name>lora_mid\.weight|oft_blocks|oft_diag|rescale|set_weight|reshape_weight)$"), "{name}"),
-]
+from ..updates.registry import file_keys
 
 
 def split_key(key: str) -> tuple[str, str, str | None] | None:
     """Split a file key into (stem, part, slot) or None when no known part suffix fits."""
-    for pattern, part in _SUFFIXES:
+    for pattern, part in file_keys():
         m = pattern.search(key)
         if m:
             groups = m.groupdict()

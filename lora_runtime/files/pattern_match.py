@@ -281,10 +281,6 @@ def _has_choice(items) -> bool:
     return False
 
 
-def compile_key(key: str) -> Pattern:
-    return Pattern(key)
-
-
 def first_match(patterns: list[tuple[Pattern, object]], path: str, budget: Budget | None = None):
     """The value of the first pattern (in order) that matches the path, or None. Raises
     `PatternError` (with ``.key``) when `budget` runs out."""

@@ -211,7 +211,3 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     meta = header.get("__metadata__") or {}
     return tensors, dict(meta), hashlib.blake2b(buf, digest_size=16).hexdigest()
 
-
-def file_digest(path: str | os.PathLike) -> str:
-    """The content hash `load_safetensors` gives for the file as it is now."""
-    return hashlib.blake2b(read_owned(path), digest_size=16).hexdigest()

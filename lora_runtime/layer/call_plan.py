@@ -120,7 +120,7 @@ def _segments(dyn, f, device, dtype):
     segs = []
     for s in dyn:
         v, k = s.update, combined_factor(s.strength, f[s.name][0])
-        parts = v.parts if v.kind == "sliced" else ((0, v.out_features, v),) if s.stackable else None
+        parts = v.row_parts if v.row_parts is not None else ((0, v.out_features, v),) if s.stackable else None
         if parts is None:
             return None
         for lo, hi, pv in parts:
@@ -181,7 +181,7 @@ def build(lw, ctx, device, dtype) -> CallPlan:
             a, b, scale = s.update.stack(device, dtype)
             pairs.append((a, b, factor_steps((scale, s.strength, f[s.name][0]), ctx)))
         run = _Exact(tuple(pairs))
-    elif simple and folds_scales(ctx) and any(s.update.kind == "sliced" for s in dyn):
+    elif simple and folds_scales(ctx) and any(s.update.row_parts is not None for s in dyn):
         segs = _segments(dyn, f, device, dtype)
         if segs is not None:
             run = _segmented(segs, real_shape(lw.weight)[0])

@@ -17,7 +17,7 @@ from ..scaling import combined_factor
 from ..updates import Update
 
 if TYPE_CHECKING:
-    from ..files.adapter import LayerAdapter
+    from ..files.layer_adapter import LayerAdapter
 
 
 @dataclass

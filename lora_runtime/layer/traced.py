@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..scaling import combined_factor, per_rank
-from ..updates.trace_forms import cast_form, form_dtype, form_out, needs_base_output
+from ..updates.trace_forms import ConvForm
 from .base_weight import real_shape
 from .general_path import forward_general, select
 from .runtime_context import adapter_cell, current_context
@@ -29,7 +29,7 @@ _COMPUTE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class TracedFactors:
     """Per live stack() slot (A [r, in], B [out, r], slot factor fp32 0-d, AdapterCell); per other
-    live slot (trace-form kind, tensors, slot factor fp32 0-d, AdapterCell); per enabled slot
+    live slot (trace form, slot factor fp32 0-d, AdapterCell); per enabled slot
     with an output offset (diff_b fp32 [out], strength fp32 0-d, AdapterCell), on `device`.
     `base_bias`: what a form that reads the base output (DoRA) subtracts from the call's output
     to get x Wᵀ (None: the layer has no bias); `needs_y0`: some form reads it."""
@@ -38,7 +38,7 @@ class TracedFactors:
     def __init__(self, device, slots, layer, offsets=(), forms=(), base_bias=None):
         self.device, self.slots, self.offsets, self.layer = device, slots, offsets, layer
         self.forms, self.base_bias = forms, base_bias
-        self.needs_y0 = any(needs_base_output(f[0]) for f in forms)
+        self.needs_y0 = any(f[0].needs_base_output for f in forms)
 
 
 def _trace_pair(s, device, dtype):
@@ -48,9 +48,9 @@ def _trace_pair(s, device, dtype):
     v = s.update
     if v.needs_base_output:
         return None
-    if v.kind == "sliced":
-        parts = [(lo, hi, p.stack(device, dtype or p.stack()[0].dtype)) for lo, hi, p in v.parts]
-        if any(st is None for _, _, st in parts) or any(p.needs_base_output for _, _, p in v.parts):
+    if v.row_parts is not None:
+        parts = [(lo, hi, p.stack(device, dtype or p.stack()[0].dtype)) for lo, hi, p in v.row_parts]
+        if any(st is None for _, _, st in parts) or any(p.needs_base_output for _, _, p in v.row_parts):
             return None
         a = torch.cat([st[0] for _, _, st in parts], 0)
         b = a.new_zeros(v.out_features, a.shape[0])
@@ -92,7 +92,7 @@ def build(lw) -> TracedFactors | None:
                 return None
             kern = s.update.delta(device, torch.float32).reshape(real_shape(conv.weight))
             geometry = (conv.stride, conv.padding, conv.dilation, conv.groups)
-            forms.append(("conv", (kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
+            forms.append((ConvForm(kern.to(w.dtype if w.dtype in _COMPUTE else torch.float32), *geometry),
                           torch.tensor(float(s.strength), dtype=torch.float32, device=device),
                           adapter_cell(s.name, device)))
             continue
@@ -106,11 +106,11 @@ def build(lw) -> TracedFactors | None:
                                    weight=lw.dense_weight if s.update.needs_weight else None)
         if form is None:
             return None
-        kind, tensors, scale = form
+        form, scale = form
         k = torch.tensor(combined_factor(scale, s.strength), dtype=torch.float32, device=device)
-        forms.append((kind, tensors, k, adapter_cell(s.name, device)))
+        forms.append((form, k, adapter_cell(s.name, device)))
     base_bias = None
-    if any(needs_base_output(f[0]) for f in forms):
+    if any(f[0].needs_base_output for f in forms):
         ok, base_bias = lw.base_bias_to_subtract()
         if not ok:
             return None
@@ -133,10 +133,10 @@ def traced_forward(lw, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y0 = None
     if tp.needs_y0:  # x Wᵀ, read off the base output before anything is added to it
         y0 = y if tp.base_bias is None else y - tp.base_bias.to(y.dtype)
-    for kind, t, k, cell in tp.forms:
-        if form_dtype(kind, t) != x.dtype:
-            t = cast_form(kind, t, x.dtype)
-        o = form_out(kind, t, x, y0)
+    for form, k, cell in tp.forms:
+        if form.dtype != x.dtype:
+            form = form.cast(x.dtype)
+        o = form.out(x, y0)
         o = (o.float() * (k * cell.factor)).to(o.dtype)
         if cell.mask is not None:
             o = o * row_mask(cell.mask, o, tp.layer)

@@ -32,7 +32,7 @@ from .slots import AdapterSlot
 from ..settings import Tier
 
 if TYPE_CHECKING:
-    from ..files.adapter import LayerAdapter
+    from ..files.layer_adapter import LayerAdapter
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 ATTR = "_lora_runtime"

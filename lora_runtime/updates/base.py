@@ -9,8 +9,10 @@ Contract (every update type answers the same questions; the layer never asks whi
   dense delta where the structure allows it.
 - ``stack()``: ``(A [r, in], B [out, r], scale)`` when the update is a plain low-rank pair that a
   stacked GEMM or a fused kernel can take (every rank carries ``scale``), else None.
-- ``trace_form(device, dtype, weight)``: ``(kind, tensors, scale)`` a compiled call evaluates with
-  `trace_forms.form_out` (times ``scale``: ``forward(x, 1.0)``), or None.
+- ``trace_form(device, dtype, weight)``: ``(form, scale)`` a compiled call evaluates
+  (`trace_forms`; ``form.out(x) * scale`` is ``forward(x, 1.0)``), or None.
+- ``row_parts``: ``((start, stop, update), ...)`` when the update is made of updates on row
+  slices of one fused weight, else None.
 - Factors are multiplied in `..scaling` only (a unit factor is never multiplied).
 The accepted key names and the scale rules are in docs/engine.md.
 """
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import times
+from .trace_forms import TraceForm
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Compute dtype of `delta`: fp64 when asked for fp64, else fp32."""
@@ -55,6 +58,14 @@ def as_linear(t: Tensor, stem: str, name: str) -> Tensor:
     raise AdapterFormatError(f"{stem}.{name} has shape {tuple(t.shape)}; expected a matrix")
 
 
+def squeeze_factors(parts: dict, prefix: str) -> None:
+    """Parts named `prefix`... with trailing 1-sized dims (1x1 conv factors) as matrices, in place."""
+    for k in [k for k in parts if k.startswith(prefix)]:
+        t = parts[k]
+        if t.dim() > 2 and all(d == 1 for d in t.shape[2:]):
+            parts[k] = t.reshape(t.shape[0], t.shape[1])
+
+
 def swap_halves(t: Tensor | None) -> Tensor | None:
     """`t` with the two halves of its first dim exchanged (None stays None)."""
     if t is None:
@@ -83,16 +94,27 @@ def weight_key(weight: Tensor) -> tuple:
 class Update(abc.ABC):
     """One update of one Linear layer; subclasses hold the factors as loaded (CPU, any float dtype).
 
-    Class attributes a type sets to take part in key detection (`..adapters.detect`):
-    ``KEY_PARTS`` the key parts it claims as (pattern, role) (role "" = the part's own name),
-    ``ROLES`` the roles that mark the type present on a layer, ``label`` its name in errors,
-    ``takes_dora`` whether a DoRA magnitude may wrap it."""
+    What a type declares to take part in loading (`registry`, `detect`):
+    ``FILE_KEYS`` the file-key endings it claims as (pattern, part) (part "{name}": the pattern's
+    ``name`` group; a ``slot`` group names a PEFT adapter slot), ``KEY_PARTS`` the part names it
+    claims as (pattern, role) (role "" = the part's own name), ``ROLES`` the roles that mark the
+    type present on a layer, ``FORMATS`` (rank, pattern on the key, format label) (the lowest
+    rank that matches labels a key), ``SUPPORTED`` how errors list its keys, ``label`` its name
+    in errors, ``takes_dora`` whether a DoRA magnitude may wrap it, ``wraps`` whether it wraps
+    another type (DoRA), ``scaled_by_alpha`` whether its scale reads alpha, ``conv_refusal`` why
+    it cannot go on a convolution (None: it can)."""
 
     kind: ClassVar[str] = ""
     label: ClassVar[str] = ""
+    FILE_KEYS: ClassVar[tuple[tuple[re.Pattern, str], ...]] = ()
     KEY_PARTS: ClassVar[tuple[tuple[re.Pattern, str], ...]] = ()
     ROLES: ClassVar[tuple[str, ...]] = ()
+    FORMATS: ClassVar[tuple[tuple[int, re.Pattern, str], ...]] = ()
+    SUPPORTED: ClassVar[str] = ""
     takes_dora: ClassVar[bool] = False
+    wraps: ClassVar[bool] = False
+    scaled_by_alpha: ClassVar[bool] = False
+    conv_refusal: ClassVar[str | None] = None
 
     def __init__(self, stem: str = "", alpha: float | None = None, diff_b: Tensor | None = None):
         self.stem = stem or "<layer>"
@@ -111,23 +133,16 @@ class Update(abc.ABC):
         return role in cls.ROLES
 
     @classmethod
+    def to_matrices(cls, parts: dict, stem: str) -> tuple[int, ...]:
+        """Rewrite this type's parts of a convolution update (LoCon) in `parts` (in place) as the
+        matrices `from_roles` takes; the conv kernel shape, or () when there is none."""
+        return ()
+
+    @classmethod
     def from_roles(cls, roles: Mapping[str, Tensor], names: Mapping[str, str], alpha: float | None, *,
                    stem: str, diff_b: Tensor | None = None, **options) -> "Update":
         """Build the update from the tensors of the roles it claimed (`names`: role -> key part)."""
         raise NotImplementedError
-
-    @classmethod
-    def from_keys(cls, parts: Mapping[str, Tensor], alpha: float | None = None, *, stem: str = "",
-                  **options) -> "Update":
-        """Build the update the key parts describe (see `..adapters.detect`); on a subclass,
-        also check the parts describe that subclass."""
-        from . import detect
-
-        v = detect(parts, alpha, stem=stem, **options)
-        if cls is not Update and not isinstance(v, cls):
-            raise AdapterFormatError(f"{v.stem}: the keys {sorted(parts)} describe a {type(v).__name__}, "
-                                     f"not a {cls.__name__}")
-        return v
 
     # --- what the layer asks ----------------------------------------------------------
     @property
@@ -148,11 +163,26 @@ class Update(abc.ABC):
         when the update is not a plain low-rank pair. Without `device`/`dtype`: the stored tensors."""
         return None
 
-    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None) -> tuple[str, tuple, float] | None:
-        """(kind, tensors on `device` in `dtype`, scale) such that ``trace_forms.form_out(kind,
-        tensors, x, y0) * scale`` is ``forward(x, 1.0, y0, include_bias=False)``; built outside
-        any trace. None: the type has no such form (a compiled call takes the general path)."""
+    def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None) -> tuple[TraceForm, float] | None:
+        """(form with tensors on `device` in `dtype`, scale) such that ``form.out(x, y0) * scale`` is
+        ``forward(x, 1.0, y0, include_bias=False)``; built outside any trace. None: the type has
+        no such form (a compiled call takes the general path)."""
         return None
+
+    @property
+    def row_parts(self) -> tuple | None:
+        """((start, stop, update), ...) of an update made of row slices of one weight, else None."""
+        return None
+
+    @property
+    def ignores_alpha(self) -> bool:
+        """Whether this update's scale ignores alpha (so a non-finite alpha does no harm)."""
+        return False
+
+    @property
+    def per_row_magnitude(self) -> bool:
+        """Whether the update renormalises each output row (DoRA's per-row magnitude)."""
+        return False
 
     def swapped_halves(self) -> "Update | None":
         """The same update with the two halves of its output rows exchanged (a [scale, shift] layer
@@ -260,7 +290,7 @@ class Update(abc.ABC):
     def _err(self, msg: str) -> AdapterFormatError:
         return AdapterFormatError(f"{self.stem}: {msg}")
 
-    def _check_bias(self) -> None:
+    def check_bias(self) -> None:
         if self.diff_b is not None and self.diff_b.numel() != self.out_features:
             raise self._err(f"diff_b has {self.diff_b.numel()} values; the weight delta has "
                             f"{self.out_features} output rows")

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..errors import AdapterFormatError
 from ..scaling import times
 from .base import Update, as_device, compute_dtype, rows_on, swap_halves, weight_key
+from .trace_forms import DenseForm, TraceForm
 
 # Budget (elements) for one chunk of a dense [rows, in] block built to compute norms.
 CHUNK_ELEMS = 1 << 24
@@ -32,6 +33,14 @@ class DoRA(Update):
     KEY_PARTS = ((re.compile(r"^(?:dora_scale|dora|lora_magnitude_vector(?:\.[A-Za-z0-9_\-]+)?(?:\.weight)?)$"),
                   "dora"),)
     ROLES = ("dora",)
+    FILE_KEYS = ((re.compile(r"\.lora_magnitude_vector(?:\.(?P<slot>[A-Za-z0-9_\-]+))?(?:\.weight)?$"), "dora"),
+                 (re.compile(r"\.dora_scale$"), "dora"))
+    FORMATS = ((0, re.compile(r"lora_magnitude_vector"), "peft"), (2, re.compile(r"dora_scale"), "kohya"))
+    SUPPORTED = "DoRA (dora_scale / lora_magnitude_vector)"
+    wraps = True
+    scaled_by_alpha = True
+    conv_refusal = "DoRA on a convolution is not supported"
+    alone_refusal = "without LoRA/LoHa/LoKr weights"
 
     def __init__(self, inner: Update, magnitude: Tensor, *, stem: str = "", comfy_quirk: bool = False,
                  eps: float | None = None, diff_b: Tensor | None = None):
@@ -60,7 +69,7 @@ class DoRA(Update):
         # file_rows[i]: the row of this update that holds row i in the file's own order (None: the
         # same order). Per-column norms sum over the rows in that order, as the file's layer does.
         self.file_rows: Tensor | None = None
-        self._check_bias()
+        self.check_bias()
 
     def swapped_halves(self) -> "DoRA | None":
         """The DoRA of the layer P·W whose rows are W's with the two halves exchanged (P: the swap).
@@ -109,6 +118,14 @@ class DoRA(Update):
     @property
     def needs_base_output(self) -> bool:
         return self.axis == "out"
+
+    @property
+    def per_row_magnitude(self) -> bool:
+        return self.axis == "out"
+
+    @property
+    def ignores_alpha(self) -> bool:
+        return self.inner.ignores_alpha
 
     def tensors(self) -> dict[str, Tensor]:
         t = dict(self.inner.tensors())
@@ -167,7 +184,7 @@ class DoRA(Update):
                 rs = slice(r0, min(out_f, r0 + step))
                 if order is not None:  # the rows in the file's order (see __init__)
                     rs = order[rs]
-                wc = weight[rs].to(ct) + self.inner._delta(dev, ct, rs, None)
+                wc = weight[rs].to(ct) + self.inner.delta(dev, ct, rs)
                 if self.axis == "out":
                     acc[rs] = torch.linalg.vector_norm(wc, dim=1)
                 else:
@@ -211,7 +228,7 @@ class DoRA(Update):
         weight = self._check_weight(weight)
         r = rows_on(rows, weight.device)
         w = (weight if rows is None else weight[r]).to(device=device, dtype=ct)
-        wc = w + self.inner._delta(device, ct, rows, None)
+        wc = w + self.inner.delta(device, ct, rows)
         m = self._m(device, ct)
         if self.axis == "out":
             if norm is not None:
@@ -243,10 +260,10 @@ class DoRA(Update):
             inner = self.inner.trace_form(device, dtype)
             if inner is None:
                 return None
-            ik, it, iscale = inner
+            form, iscale = inner
             g = self.magnitude_over_norm(weight).to(device=device, dtype=dtype)
-            return "dora", (g, ik, it, torch.tensor(float(iscale), dtype=torch.float32, device=device)), 1.0
-        return "dense", (self._dense(weight, as_device(device), dtype),), 1.0
+            return DoraForm(g, form, torch.tensor(float(iscale), dtype=torch.float32, device=device)), 1.0
+        return DenseForm(self._dense(weight, as_device(device), dtype)), 1.0
 
     def _dense(self, weight: Tensor, device, dtype: torch.dtype) -> Tensor:
         """The full-strength dense delta in `dtype` (axis "in"), cached per base weight."""
@@ -263,7 +280,28 @@ class DoRA(Update):
         if self.axis == "out":
             g = self.magnitude_over_norm(weight).to(device=x.device, dtype=x.dtype)
             y0 = base_out_nobias if base_out_nobias is not None else F.linear(x, weight.to(x.device, x.dtype))
-            y = (g - 1) * y0 + g * self.inner._forward(x, 1.0, None, None)
+            y = (g - 1) * y0 + g * self.inner.forward(x, 1.0, include_bias=False)
         else:
             y = F.linear(x, self._dense(weight, x.device, x.dtype))
         return times(y, factor)
+
+
+class DoraForm(TraceForm):
+    """g [out], the inner update's form, its scale as an fp32 0-d tensor: the per-row DoRA output
+    (g - 1) * y0 + g * inner(x), y0 = x Wᵀ (the base output without bias)."""
+
+    kind = "dora"
+    needs_base_output = True
+
+    def __init__(self, g: Tensor, inner: TraceForm, inner_scale: Tensor):
+        super().__init__(g)
+        self.inner, self.inner_scale = inner, inner_scale
+
+    def cast(self, dtype: torch.dtype) -> "DoraForm":
+        return DoraForm(self.tensors[0].to(dtype), self.inner.cast(dtype), self.inner_scale)
+
+    def out(self, x: Tensor, y0: Tensor | None = None) -> Tensor:
+        g = self.tensors[0]
+        inner = self.inner.out(x)
+        inner = (inner.float() * self.inner_scale).to(inner.dtype)
+        return (g - 1) * y0 + g * inner

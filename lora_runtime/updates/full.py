@@ -13,6 +13,7 @@ from torch import Tensor
 from ..errors import AdapterFormatError
 from ..scaling import times
 from .base import Update, as_linear, rows_on, swap_halves
+from .trace_forms import DenseForm
 
 
 class Full(Update):
@@ -22,13 +23,25 @@ class Full(Update):
     label = "diff"
     KEY_PARTS = ((re.compile(r"^diff$"), ""),)
     ROLES = ("diff",)
+    FILE_KEYS = ((re.compile(r"\.diff$"), "diff"),)
+    FORMATS = ((3, re.compile(r"\.diff$"), "diff"),)
+    SUPPORTED = "diff"
     takes_dora = False
     dora_refusal = "with a full 'diff' (ComfyUI applies DoRA to LoRA/LoHa/LoKr only)"
 
     def __init__(self, diff: Tensor, alpha: float | None = None, *, stem: str = "", diff_b: Tensor | None = None):
         super().__init__(stem, alpha, diff_b)
         self.diff = as_linear(diff, self.stem, "diff")
-        self._check_bias()
+        self.check_bias()
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """A conv diff [out, in, k...] flattened to [out, in * K]."""
+        diff = parts.get("diff")
+        if diff is None or diff.dim() <= 2:
+            return ()
+        parts["diff"] = diff.reshape(diff.shape[0], -1)
+        return tuple(int(k) for k in diff.shape[2:])
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
@@ -63,7 +76,7 @@ class Full(Update):
         return times(F.linear(x, self._on(x.device, x.dtype, "diff", lambda: self.diff)), factor)
 
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
-        return "dense", (self._on(device, dtype, "diff", lambda: self.diff),), 1.0
+        return DenseForm(self._on(device, dtype, "diff", lambda: self.diff)), 1.0
 
 
 class BiasOnly(Update):

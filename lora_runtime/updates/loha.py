@@ -16,7 +16,9 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, compute_dtype, rows_on, swap_halves
+from .base import Update, as_linear, compute_dtype, rows_on, squeeze_factors, swap_halves
+from .conv_cores import core_pair, has_kernel
+from .trace_forms import DenseForm, PairForm
 
 _NAMES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
 
@@ -26,7 +28,28 @@ class LoHa(Update):
     label = "LoHa"
     KEY_PARTS = ((re.compile(r"^(?:" + "|".join(_NAMES) + r")$"), ""),)
     ROLES = _NAMES
+    FILE_KEYS = ((re.compile(r"\.(?P<name>hada_w[12]_[ab]|hada_t[12])$"), "{name}"),)
+    FORMATS = ((1, FILE_KEYS[0][0], "lycoris-loha"),)
+    SUPPORTED = "LoHa (hada_*)"
     takes_dora = True
+    scaled_by_alpha = True
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """Kernel-sized CP cores folded into the plain pairs (`conv_cores`); 1x1 factors squeezed."""
+        kernel: tuple[int, ...] = ()
+        t1, t2 = parts.get("hada_t1"), parts.get("hada_t2")
+        if has_kernel(t1) or has_kernel(t2):
+            if t1 is None or t2 is None or t1.shape[2:] != t2.shape[2:]:
+                raise AdapterFormatError(f"{stem}: hada_t1 and hada_t2 must both be present with the same kernel")
+            for i, t in ((1, t1), (2, t2)):
+                a, b = core_pair(t, parts[f"hada_w{i}_a"], parts[f"hada_w{i}_b"],
+                                 (f"hada_t{i}", f"hada_w{i}_a", f"hada_w{i}_b"), stem)
+                parts[f"hada_w{i}_a"], parts[f"hada_w{i}_b"] = a, b
+                del parts[f"hada_t{i}"]
+            kernel = tuple(int(k) for k in t1.shape[2:])
+        squeeze_factors(parts, "hada_")
+        return kernel
 
     def __init__(self, w1a: Tensor, w1b: Tensor, w2a: Tensor, w2b: Tensor, alpha: float | None = None, *,
                  t1: Tensor | None = None, t2: Tensor | None = None, stem: str = "",
@@ -44,7 +67,7 @@ class LoHa(Update):
         if (self._out(1), self.w1b.shape[1]) != (self._out(2), self.w2b.shape[1]):
             raise self._err(f"the two Hadamard factors differ: [{self._out(1)}, {self.w1b.shape[1]}] "
                             f"(hada_w1_*) vs [{self._out(2)}, {self.w2b.shape[1]}] (hada_w2_*)")
-        self._check_bias()
+        self.check_bias()
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
@@ -175,5 +198,5 @@ class LoHa(Update):
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
         if self._low_rank:
             u, z = self._kr(device, dtype)
-            return "pair", (z, u), self.scale
-        return "dense", (self._dense(device, dtype),), 1.0
+            return PairForm(z, u), self.scale
+        return DenseForm(self._dense(device, dtype)), 1.0

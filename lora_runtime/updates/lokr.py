@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
-from .base import Update, as_linear, rows_on, swap_halves
+from .base import Update, as_linear, rows_on, squeeze_factors, swap_halves
+from .conv_cores import core_pair, has_kernel
+from .trace_forms import TraceForm
 
 _NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
@@ -25,7 +28,31 @@ class LoKr(Update):
     label = "LoKr"
     KEY_PARTS = ((re.compile(r"^(?:" + "|".join(_NAMES) + r")$"), ""),)
     ROLES = _NAMES
+    FILE_KEYS = ((re.compile(r"\.(?P<name>lokr_w[12](?:_[ab])?|lokr_t2)$"), "{name}"),)
+    FORMATS = ((1, FILE_KEYS[0][0], "lycoris-lokr"),)
+    SUPPORTED = "LoKr (lokr_*)"
     takes_dora = True
+    scaled_by_alpha = True
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """A kernel-sized Tucker core folded into w2's pair (`conv_cores`), a full conv w2 flattened
+        to [out2, in2 * K]; 1x1 factors squeezed."""
+        kernel: tuple[int, ...] = ()
+        t = parts.get("lokr_t2")
+        if has_kernel(t):
+            if "lokr_w2_a" not in parts or "lokr_w2_b" not in parts:
+                raise AdapterFormatError(f"{stem}: lokr_t2 without lokr_w2_a / lokr_w2_b")
+            parts["lokr_w2_a"], parts["lokr_w2_b"] = core_pair(t, parts["lokr_w2_a"], parts["lokr_w2_b"],
+                                                               ("lokr_t2", "lokr_w2_a", "lokr_w2_b"), stem)
+            del parts["lokr_t2"]
+            kernel = tuple(int(k) for k in t.shape[2:])
+        w2 = parts.get("lokr_w2")
+        if has_kernel(w2):  # a full conv w2 [out2, in2, k...] (no core): the same flattening
+            parts["lokr_w2"] = w2.reshape(w2.shape[0], -1)
+            kernel = tuple(int(k) for k in w2.shape[2:])
+        squeeze_factors(parts, "lokr_")
+        return kernel
 
     def __init__(self, *, w1: Tensor | None = None, w1_a: Tensor | None = None, w1_b: Tensor | None = None,
                  w2: Tensor | None = None, w2_a: Tensor | None = None, w2_b: Tensor | None = None,
@@ -57,7 +84,7 @@ class LoKr(Update):
                 raise self._err(f"lokr_t2 is {tuple(self.t2.shape)}; with lokr_w2_a {tuple(self.w2_a.shape)} "
                                 f"[ra, c] and lokr_w2_b {tuple(self.w2_b.shape)} [rb, d] it must be "
                                 f"[{self.w2_a.shape[0]}, {self.w2_b.shape[0]}]")
-        self._check_bias()
+        self.check_bias()
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, **_):
@@ -85,6 +112,11 @@ class LoKr(Update):
         if self.w1 is None:
             return int(self.w1_b.shape[0])
         return None
+
+    @property
+    def ignores_alpha(self) -> bool:
+        """Both Kronecker factors are full: the scale is 1.0 whatever alpha says."""
+        return self.dim is None
 
     @property
     def scale(self) -> float:
@@ -191,6 +223,26 @@ class LoKr(Update):
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
         w1 = self._w1(device, dtype)
         if self._w2_factored():   # the dense w2 is never formed
-            return "kron2", (w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
-                             self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
-        return "kron", (w1, self._w2(device, dtype)), self.scale
+            return KronForm(w1, self._on(device, dtype, "w2_a", lambda: self.w2_a),
+                            self._on(device, dtype, "w2_b", lambda: self.w2_b)), self.scale
+        return KronForm(w1, self._w2(device, dtype)), self.scale
+
+
+class KronForm(TraceForm):
+    """w1 [p, q], w2 [c, d]: x through kron(w1, w2) without forming it; with three tensors
+    (w1, w2a [c, r], w2b [r, d]) w2 = w2a w2b stays factorised."""
+
+    @property
+    def kind(self) -> str:
+        return "kron" if len(self.tensors) == 2 else "kron2"
+
+    def out(self, x: Tensor, y0: Tensor | None = None) -> Tensor:
+        w1 = self.tensors[0]
+        q = w1.shape[1]
+        lead = x.shape[:-1]
+        u = torch.matmul(w1, x.reshape(*lead, q, x.shape[-1] // q))   # [..., p, d]: mix over w1 first
+        if len(self.tensors) == 2:
+            y = F.linear(u, self.tensors[1])
+        else:
+            y = F.linear(F.linear(u, self.tensors[2]), self.tensors[1])
+        return y.reshape(*lead, -1)

@@ -17,6 +17,8 @@ from torch import Tensor
 from ..errors import AdapterFormatError
 from ..scaling import combined_factor, times
 from .base import Update, as_linear, rows_on, swap_halves
+from .conv_cores import fold_mid
+from .trace_forms import PairForm
 
 
 class LoRA(Update):
@@ -29,7 +31,23 @@ class LoRA(Update):
                     r"|lora_B(?:\.[A-Za-z0-9_\-]+)?\.weight|lora_B|up)$"), "up"),
     )
     ROLES = ("down", "up")
+    FILE_KEYS = (
+        (re.compile(r"\.lora_down\.weight$"), "down"),
+        (re.compile(r"\.lora_up\.weight$"), "up"),
+        (re.compile(r"\.lora\.down\.weight$"), "down"),
+        (re.compile(r"\.lora\.up\.weight$"), "up"),
+        (re.compile(r"\.lora_linear_layer\.down\.weight$"), "down"),
+        (re.compile(r"\.lora_linear_layer\.up\.weight$"), "up"),
+        (re.compile(r"\.lora_A(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.weight$"), "down"),
+        (re.compile(r"\.lora_B(?:\.(?P<slot>[A-Za-z0-9_\-]+))?\.weight$"), "up"),
+        # XLabs: double_blocks.0.processor.qkv_lora1.down.weight (ComfyUI lora_convert.convert_uso_lora)
+        (re.compile(r"(?<=_lora[12])\.down\.weight$|(?<=_lora)\.down\.weight$"), "down"),
+        (re.compile(r"(?<=_lora[12])\.up\.weight$|(?<=_lora)\.up\.weight$"), "up"),
+    )
+    FORMATS = ((0, re.compile(r"\.lora_[AB]"), "peft"), (2, re.compile(r"lora_down|lora_up"), "kohya"))
+    SUPPORTED = "lora_down/lora_up, lora_A/lora_B"
     takes_dora = True
+    scaled_by_alpha = True
 
     def __init__(self, down: Tensor, up: Tensor, alpha: float | None = None, *, stem: str = "",
                  rslora: bool = False, diff_b: Tensor | None = None):
@@ -40,7 +58,26 @@ class LoRA(Update):
         if self.up.shape[1] != self.down.shape[0]:
             raise self._err(f"up is {tuple(self.up.shape)} and down is {tuple(self.down.shape)}: "
                             f"up has {self.up.shape[1]} columns, down has {self.down.shape[0]} rows (the rank)")
-        self._check_bias()
+        self.check_bias()
+
+    @classmethod
+    def to_matrices(cls, parts, stem):
+        """A LoCon Tucker core folded into down; a conv down flattened to [r, in * K]; a 1x1 up squeezed."""
+        if "lora_mid.weight" in parts and "down" in parts:
+            parts["down"] = fold_mid(parts.pop("lora_mid.weight"), parts["down"], stem)
+        down, up = parts.get("down"), parts.get("up")
+        kernel: tuple[int, ...] = ()
+        if down is not None and down.dim() > 2:
+            kernel = tuple(int(k) for k in down.shape[2:])
+            parts["down"] = down.reshape(down.shape[0], -1)
+            if up is not None and up.dim() > 2:
+                if any(k != 1 for k in up.shape[2:]):
+                    raise AdapterFormatError(f"{stem}: the up factor has a {tuple(up.shape[2:])} kernel; only "
+                                             "LoCon with a 1x1 up convolution is supported")
+                parts["up"] = up.reshape(up.shape[0], up.shape[1])
+        elif up is not None and up.dim() > 2 and all(k == 1 for k in up.shape[2:]):
+            parts["up"] = up.reshape(up.shape[0], up.shape[1])
+        return kernel
 
     @classmethod
     def from_roles(cls, roles, names, alpha, *, stem, diff_b=None, rslora: bool = False, **_):
@@ -99,7 +136,7 @@ class LoRA(Update):
 
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
         down, up = self.factors(device, dtype)
-        return "pair", (down, up), self.scale
+        return PairForm(down, up), self.scale
 
     def folded_delta(self, device, factor: float, rows=None, *, weight: Tensor | None = None) -> Tensor:
         """``(up @ down) * (scale * factor)``: one pass over the delta with the fp64 product of the

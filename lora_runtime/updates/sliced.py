@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..errors import AdapterFormatError
 from .base import Update, rows_on
+from .trace_forms import TraceForm
 
 
 class Sliced(Update):
@@ -61,6 +62,10 @@ class Sliced(Update):
         return self._in
 
     @property
+    def row_parts(self) -> list:
+        return self.parts
+
+    @property
     def needs_weight(self) -> bool:
         return any(v.needs_weight for _, _, v in self.parts)
 
@@ -97,7 +102,7 @@ class Sliced(Update):
             sel = ((idx >= a) & (idx < b)).nonzero().squeeze(1)
             if sel.numel():
                 w = None if weight is None else weight[a:b]
-                out[sel] = v._delta(device, ct, idx[sel] - a, w)
+                out[sel] = v.delta(device, ct, idx[sel] - a, weight=w)
         return out
 
     def trace_form(self, device, dtype: torch.dtype, weight: Tensor | None = None):
@@ -107,14 +112,44 @@ class Sliced(Update):
             f = None if v.needs_base_output else v.trace_form(device, dtype)
             if f is None:
                 return None
-            kind, t, scale = f
-            parts.append((a, b, kind, t, torch.tensor(float(scale), dtype=torch.float32, device=device)))
-        return "sliced", (tuple(parts), self._out), 1.0
+            form, scale = f
+            parts.append((a, b, form, torch.tensor(float(scale), dtype=torch.float32, device=device)))
+        return SlicedForm(tuple(parts), self._out), 1.0
 
     def _forward(self, x, factor, base_out_nobias, weight) -> Tensor:
         y = x.new_zeros(*x.shape[:-1], self._out)
         for a, b, v in self.parts:
             w = None if weight is None else weight[a:b]
             y0 = None if base_out_nobias is None else base_out_nobias[..., a:b]
-            y[..., a:b] = v._forward(x, factor, y0, w)
+            y[..., a:b] = v.forward(x, factor, y0, w, include_bias=False)
         return y
+
+
+class SlicedForm(TraceForm):
+    """parts ((lo, hi, form, scale as an fp32 0-d tensor), ...), out: each part's form times its
+    scale in its column block of the output, zeros between."""
+
+    kind = "sliced"
+
+    def __init__(self, parts: tuple, out_features: int):
+        super().__init__()
+        self.parts, self.out_features = parts, out_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0][2].dtype
+
+    def cast(self, dtype: torch.dtype) -> "SlicedForm":
+        return SlicedForm(tuple((lo, hi, f.cast(dtype), sc) for lo, hi, f, sc in self.parts), self.out_features)
+
+    def out(self, x: Tensor, y0: Tensor | None = None) -> Tensor:
+        lead, pieces, at = x.shape[:-1], [], 0
+        for lo, hi, form, sc in self.parts:
+            if lo > at:
+                pieces.append(x.new_zeros(*lead, lo - at))
+            o = form.out(x)
+            pieces.append((o.float() * sc).to(o.dtype))
+            at = hi
+        if at < self.out_features:
+            pieces.append(x.new_zeros(*lead, self.out_features - at))
+        return torch.cat(pieces, -1)

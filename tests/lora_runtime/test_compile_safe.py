@@ -176,7 +176,7 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
     one graph for the layer, the offsets in the compiled output (a wrong answer without them),
     strength, runtime-scale and branch-mask changes of the offset slots without a recompile."""
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch.manual_seed(0)
@@ -226,7 +226,7 @@ def test_compile_output_offsets_ride_in_the_trace_plan():
 def _attached(lin, v, strength=0.8):
     """`lin` wrapped and attached, with update `v` as slot "a" (its shapes checked first)."""
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
     v.check_module(lin.out_features, lin.in_features)
     w = AdaptedLayer(lin, "l")
@@ -345,7 +345,7 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
         w.prepare_trace()
         tp = w.traced_factors
         assert tp is not None and not tp.slots and len(tp.forms) == 1
-        assert tp.forms[0][0] == FORM_OF[kind]
+        assert tp.forms[0][0].kind == FORM_OF[kind]
         cf = torch.compile(lin, backend=counting, dynamic=False)
         x = torch.randn(2, 3, 16)
         with torch.no_grad():
@@ -365,7 +365,6 @@ def test_compile_other_update_types_ride_in_the_trace_plan(kind):
 
 def test_compile_trace_forms_match_eager_in_bf16():
     """bf16 (the usual weight dtype): every form within bf16 rounding of the eager output."""
-    from comfyui_lora_runtime.lora_runtime.updates.trace_forms import form_dtype
     for kind in OTHER:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -374,8 +373,8 @@ def test_compile_trace_forms_match_eager_in_bf16():
         w = _attached(lin, v)
         try:
             w.prepare_trace()
-            kind_, tensors = w.traced_factors.forms[0][:2]
-            assert form_dtype(kind_, tensors) == torch.bfloat16
+            form = w.traced_factors.forms[0][0]
+            assert form.dtype == torch.bfloat16
             cf = torch.compile(lin, backend="eager", dynamic=False)
             x = torch.randn(2, 3, 16).to(torch.bfloat16)
             with torch.no_grad(), runtime_context(tier="lossless"):
@@ -393,7 +392,7 @@ def test_compile_a_model_of_every_update_type_is_one_graph_without_breaks():
     some): the compiled model is one graph (fullgraph: a graph break raises), equal to eager, far
     from the adapter-off model, and strength changes on every layer build no second graph."""
     from testkit.fixtures import TinyWanLike, linear_names, lora_pair
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
     torch._dynamo.reset()
     model = TinyWanLike(d=32, f=64, n=2)
@@ -435,7 +434,7 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     kernel delta and offset ride in the trace plan; one graph over strengths and tiers, one more
     for a mask; the compiled output equals eager's, the masked-off batch row is base."""
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch._dynamo.reset()
@@ -453,7 +452,7 @@ def test_compile_convolutions_ride_in_the_trace_plan(dims):
     try:
         w.prepare_trace()
         tp = w.traced_factors
-        assert tp is not None and [f[0] for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
+        assert tp is not None and [f[0].kind for f in tp.forms] == ["conv"] and len(tp.offsets) == 1
         cf = torch.compile(conv, backend=counting, dynamic=False)
         with torch.no_grad():
             base = _strengths_and_tiers(w, conv, cf, x, _far)
@@ -474,7 +473,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
     general path (it reads the context: a graph break) and is still correct."""
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
     from comfyui_lora_runtime.lora_runtime import updates as U
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch.manual_seed(0)
@@ -504,7 +503,7 @@ def test_compile_layers_without_a_trace_plan_stay_correct():
 
 def test_compile_set_strength_on_a_prepared_wrapper_does_not_recompile():
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from testkit.fixtures import lora_pair
 
     torch.manual_seed(0)

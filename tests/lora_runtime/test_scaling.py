@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
 from testkit.fixtures import lora_pair, reference_forward, truth_fp64, assert_lossless
 from testkit.compare import MulCounter

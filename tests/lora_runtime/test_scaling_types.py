@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime import updates as U
 from testkit.compare import MulCounter
 

@@ -61,7 +61,7 @@ def lora_pair(out_f, in_f, r, seed, scale=0.1, dtype=torch.float32):
 def wrapped_lora_linear(out_f=256, in_f=192, r=16, rel=0.01, dtype=torch.bfloat16, seed=0):
     """A AdaptedLayer over a seeded Linear with one adapter "a" whose update is |dW|/|W| ~= rel."""
     from comfyui_lora_runtime.lora_runtime import AdaptedLayer
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
     torch.manual_seed(seed)
     lin = torch.nn.Linear(in_f, out_f).to(dtype)

@@ -16,7 +16,7 @@ from comfyui_lora_runtime.standalone.host import quant_checkpoints  # noqa: E402
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision import estimate  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.decision.policy import DecisionCache, decide  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import base_weight, quantized_rows  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.settings import MergeMode  # noqa: E402
 

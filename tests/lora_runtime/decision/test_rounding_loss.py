@@ -4,7 +4,7 @@ import math
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, measure_share_lost
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
 from testkit.fixtures import lora_pair
 

@@ -9,7 +9,7 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import (AdapterSpec, DecisionCache, LoraInjector, AdaptedLayer,
                                                NonFiniteMergeError, RestoreError, plan)
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import content_key, fingerprint, merge_weight, restore_weight
 
 from testkit.fixtures import TinyWanLike, make_adapter_tensors, write_kohya

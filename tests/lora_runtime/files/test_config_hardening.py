@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_lora_runtime.lora_runtime import AdapterFormatError, AdapterSpec, applied, plan
-from comfyui_lora_runtime.lora_runtime.files.adapter import check_adapter_file
+from comfyui_lora_runtime.lora_runtime.files.header_check import check_adapter_file
 from comfyui_lora_runtime.lora_runtime.files.pattern_match import Pattern
 
 from testkit.scale_checks import R, X, check_scale as _check, peft_sd as _peft_sd

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from comfyui_lora_runtime.lora_runtime.files.adapter import load_adapter
+from comfyui_lora_runtime.lora_runtime.files.load import load_adapter
 from comfyui_lora_runtime.lora_runtime.files.safetensors_file import load_safetensors
 from testkit.bad_adapter_files import rewrite_data_in_place
 

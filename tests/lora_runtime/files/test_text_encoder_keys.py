@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from comfyui_lora_runtime.lora_runtime import (AdapterMatchError, AdapterSpec, applied, load_adapter,
                                                match_adapter, plan)
-from comfyui_lora_runtime.lora_runtime.files.adapter import check_adapter_file
+from comfyui_lora_runtime.lora_runtime.files.header_check import check_adapter_file
 
 from testkit.fixtures import TinyWanLike, make_adapter_tensors, write_kohya
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, applied, plan, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.fusion.fusion_sites import find_sites, mount_fusions
 
 from testkit.fixtures import lora_pair, write_kohya

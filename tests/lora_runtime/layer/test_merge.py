@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight, row_chunks
 
 from testkit.fixtures import wrapped_lora_linear as _wrapped

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, AdaptedLayer, plan
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.settings import Tier
 
 from testkit.fixtures import TinyWanLike, make_adapter_tensors, write_kohya

@@ -18,7 +18,7 @@ from comfyui_lora_runtime.standalone.host import quant_checkpoints, quant_ops  #
 from comfyui_lora_runtime.lora_runtime import applied, plan  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.errors import LoraRuntimeError, MergeRefusedError  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.files.adapter import target_kind  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.files.match import target_kind  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import ran_guard  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.base_weight import adapter_kind, base_weight  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer.wrapper import attached_wrapper  # noqa: E402

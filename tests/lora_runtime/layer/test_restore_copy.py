@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, NonFiniteMergeError, RestoreError
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.merge import merge_weight, restore_weight
 
 from testkit.fixtures import wrapped_lora_linear as _wrapped

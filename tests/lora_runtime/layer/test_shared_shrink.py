@@ -15,7 +15,7 @@ from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, LoraInjector, AdaptedLayer, plan, runtime_context
 from comfyui_lora_runtime.lora_runtime import updates as U
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 from comfyui_lora_runtime.lora_runtime.layer.shared_shrink import group_siblings
 
 from testkit.fixtures import TinyWanLike, assert_lossless, lora_pair, make_adapter_tensors, write_kohya

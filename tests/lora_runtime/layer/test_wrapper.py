@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_lora_runtime.lora_runtime import AdaptedLayer, runtime_context
-from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
 
 from testkit.fixtures import assert_lossless, lora_pair, reference_forward, truth_fp64
 

@@ -298,7 +298,7 @@ def test_sliced_updates_on_a_fused_weight(tmp_path):
     """Three LoRAs on the q, k, v thirds of one fused qkv Linear (as diffusers-named Flux
     files are): dynamic and merged equal the fp64 block-stacked delta."""
     from comfyui_lora_runtime.lora_runtime import updates
-    from comfyui_lora_runtime.lora_runtime.files.adapter import LayerAdapter
+    from comfyui_lora_runtime.lora_runtime.files.layer_adapter import LayerAdapter
     from comfyui_lora_runtime.lora_runtime.layer.wrapper import AdaptedLayer
 
     d = 16

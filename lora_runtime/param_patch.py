@@ -19,32 +19,12 @@ Contract
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..errors import MergeRefusedError
-from ..layer.base_weight import float_view, own_storage, packed_reason
-from ..layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
-
-
-@dataclass
-class ParamDelta:
-    """One file layer's delta for one parameter of the model."""
-
-    stem: str        # the file's stem
-    part: str        # diff / diff_b / diff_m / w_norm / b_norm
-    target: str      # the model's parameter name
-    delta: torch.Tensor
-
-    kind = "param"
-
-    @property
-    def keys(self) -> list[str]:
-        return [f"{self.stem}.{self.part}"]
-
-    def nbytes(self) -> int:
-        return self.delta.numel() * self.delta.element_size()
+from .errors import MergeRefusedError
+from .files.param_deltas import ParamDelta
+from .layer.base_weight import float_view, own_storage, packed_reason
+from .layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
