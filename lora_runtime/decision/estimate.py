@@ -172,6 +172,8 @@ class _QuantRows:
             return low
         per_row = self.q.shape[1] // self.block
         blocks = torch.unique(r * per_row + c // self.block)
+        if blocks.numel() * self.block > SAMPLE_ELEMENTS:  # as dear as a row sample: the caller takes rows
+            return None
         r = blocks // per_row
         c = (blocks % per_row)[:, None] * self.block + torch.arange(self.block)[None]
         cur = self._base_at(r, c)
@@ -232,12 +234,14 @@ class _QuantRows:
 
 def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """fp32 [m, width]: slot `s`'s low-rank update at rows `rows` [m], columns `cols` [m, width],
-    times its strength."""
+    times its strength (in chunks of about 2**16 elements: the gathered factors stay small)."""
     down, up, scale = s.update.stack()
     dev = up.device
-    u = up[rows.to(dev)].float()                       # [m, r]
-    d = down.float()[:, cols.to(dev)]                  # [r, m, width]
-    return torch.einsum("mr,rmw->mw", u, d) * float(scale) * s.strength
+    rows, cols = rows.to(dev), cols.to(dev)
+    step = max(1, (1 << 16) // cols.shape[1])
+    out = [torch.einsum("mr,rmw->mw", up[rows[i:i + step]].float(), down[:, cols[i:i + step]].float())
+           for i in range(0, rows.numel(), step)]
+    return (torch.cat(out) if out else torch.zeros(cols.shape, device=dev)) * float(scale) * s.strength
 
 
 class SequentialEstimate:
