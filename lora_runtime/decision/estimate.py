@@ -194,8 +194,10 @@ class _QuantRows:
         return qrows.grid_round_rows(self.q, exact, amax, self.seed)
 
     def measure(self, s, name: str):
-        b = self._bound(s)
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
+        if self.sel.numel() == self.row_max.numel():  # every row held: the top is in hand
+            return self._merged_rows(d, s, name, None)
+        b = self._bound(s)
         # the largest |value| the held rows reach is a floor for the whole tensor's
         low = float((self.cur + d).abs().amax())
         if self.block is not None and self.moved is not None and all(
@@ -212,6 +214,9 @@ class _QuantRows:
                 new, self.measured = torch.arange(n)[~torch.isin(torch.arange(n), self.sel)], slice(None)
             self._add(new)
             d = torch.cat([d, self.w.delta_rows(new.to(self.q.device), [s])])
+        return self._merged_rows(d, s, name, b)
+
+    def _merged_rows(self, d, s, name: str, b):
         exact = self.cur + d
         amax = exact.abs().amax()
         rounded = qrows.grid_round_rows(self.q, exact, amax, self.seed)
@@ -229,7 +234,7 @@ class _QuantRows:
         self.cur = rounded
         self.history.append((s, amax))
         step = qrows.top_step(self.q, float(amax))
-        self.moved = None if step is None or self.moved is None else self.moved + b + step
+        self.moved = None if step is None or self.moved is None or b is None else self.moved + b + step
 
 
 def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
