@@ -38,6 +38,9 @@ MIN_SAMPLE_ROWS = 16
 MAX_CANDIDATE_SHARE = 0.25
 TOP_ROWS = 4
 REFINE_ROWS = 256
+# a grid step of at least this share of the top value (e5m2, mxfp8: 1/7) lets nearly any row reach the top
+# after a merge: later adapters hold every row without searching
+COARSE_STEP = 0.1
 
 
 def sample_rows(rows: int, device, max_rows: int, cols: int | None = None):
@@ -194,8 +197,14 @@ class _QuantRows:
         return qrows.grid_round_rows(self.q, exact, amax, self.seed)
 
     def measure(self, s, name: str):
+        n = self.row_max.numel()
+        step = qrows.top_step(self.q, 1.0)
+        if self.history and self.sel.numel() < n and (step is None or step >= COARSE_STEP):
+            # after a merge on a coarse grid any row may reach the top: hold every row at once
+            self.measured = slice(None)
+            self._add(torch.arange(n)[~torch.isin(torch.arange(n), self.sel)])
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
-        if self.sel.numel() == self.row_max.numel():  # every row held: the top is in hand
+        if self.sel.numel() == n:  # every row held: the top is in hand
             return self._merged_rows(d, s, name, None)
         b = self._bound(s)
         # the largest |value| the held rows reach is a floor for the whole tensor's
