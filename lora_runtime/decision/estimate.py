@@ -98,6 +98,7 @@ class _QuantRows:
     def __init__(self, w, max_rows: int):
         self.w, self.q, self.seed = w, w.get_base_layer().weight, w.requant_seed
         self.block = qrows.block_width(self.q)
+        self.step = qrows.top_step(self.q, 1.0)  # a grid step per unit of the top value, or None
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
@@ -131,6 +132,17 @@ class _QuantRows:
             out[i:i + rows.numel()] = self.w.delta_rows(rows, [s]).abs().amax(dim=1).cpu()
         return out * 1.0001  # the fp32 roundings of the update as the merge computes it
 
+    def _missing(self) -> torch.Tensor:
+        """The rows not held."""
+        every = torch.arange(self.row_max.numel())
+        return every[~torch.isin(every, self.sel)]
+
+    def _hold_all(self) -> torch.Tensor:
+        """Hold and measure every row (as dear as the whole: no search); the rows it added."""
+        new, self.measured = self._missing(), slice(None)
+        self._add(new)
+        return new
+
     def _add(self, rows: torch.Tensor) -> None:
         """Hold `rows` too (unmeasured): their base values with the merges so far replayed."""
         cur = self._base(rows)
@@ -141,9 +153,6 @@ class _QuantRows:
 
     def _reach(self, b: torch.Tensor, low: float) -> torch.Tensor:
         """Rows not held that may reach a |value| of `low` after the update bounded by `b`."""
-        n = self.row_max.numel()
-        if self.moved is None:
-            return torch.arange(n)[~torch.isin(torch.arange(n), self.sel)]
         need = torch.nonzero(self.row_max + self.moved + b >= low).reshape(-1)
         return need[~torch.isin(need, self.sel)]
 
@@ -198,11 +207,8 @@ class _QuantRows:
 
     def measure(self, s, name: str):
         n = self.row_max.numel()
-        step = qrows.top_step(self.q, 1.0)
-        if self.history and self.sel.numel() < n and (step is None or step >= COARSE_STEP):
-            # after a merge on a coarse grid any row may reach the top: hold every row at once
-            self.measured = slice(None)
-            self._add(torch.arange(n)[~torch.isin(torch.arange(n), self.sel)])
+        if self.history and self.sel.numel() < n and (self.step is None or self.step >= COARSE_STEP):
+            self._hold_all()  # after a merge on a coarse grid any row may reach the top
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
         if self.sel.numel() == n:  # every row held: the top is in hand
             return self._merged_rows(d, s, name, None)
@@ -213,21 +219,20 @@ class _QuantRows:
                 p.update.stack() is not None for p, _ in self.history + [(s, None)]):
             top = self._block_top(s, b, low)
             if top is not None:
-                exact = self.cur + d
-                rounded = qrows.grid_round_rows(self.q, exact, torch.tensor(top), self.seed)
-                return self._sums(exact, rounded, d, name) + ((rounded, top, s, b),)
+                return self._merged_rows(d, s, name, b, torch.tensor(top))
         new = self._reach(b, low)
         if new.numel():
-            n = self.row_max.numel()
-            if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * n:  # as dear as the whole: hold every row
-                new, self.measured = torch.arange(n)[~torch.isin(torch.arange(n), self.sel)], slice(None)
-            self._add(new)
+            if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * n:
+                new = self._hold_all()
+            else:
+                self._add(new)
             d = torch.cat([d, self.w.delta_rows(new.to(self.q.device), [s])])
         return self._merged_rows(d, s, name, b)
 
-    def _merged_rows(self, d, s, name: str, b):
+    def _merged_rows(self, d, s, name: str, b, amax=None):
+        """The held rows merged with `d` at the scale of the largest |value| `amax` (default: theirs)."""
         exact = self.cur + d
-        amax = exact.abs().amax()
+        amax = exact.abs().amax() if amax is None else amax
         rounded = qrows.grid_round_rows(self.q, exact, amax, self.seed)
         return self._sums(exact, rounded, d, name) + ((rounded, amax, s, b),)
 
@@ -242,8 +247,8 @@ class _QuantRows:
         rounded, amax, s, b = after
         self.cur = rounded
         self.history.append((s, amax))
-        step = qrows.top_step(self.q, float(amax))
-        self.moved = None if step is None or self.moved is None or b is None else self.moved + b + step
+        known = self.step is not None and self.moved is not None and b is not None
+        self.moved = self.moved + b + self.step * float(amax) if known else None
 
 
 def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

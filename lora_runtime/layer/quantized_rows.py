@@ -70,12 +70,16 @@ def elementwise(w) -> bool:
     return tuple(w._qdata.shape) == tuple(w.shape) and all(t.numel() == 1 for t in tensors)
 
 
+def _dequantized_data(w, q: torch.Tensor) -> torch.Tensor:
+    """fp32 values of stored data `q` [m, k] of an `elementwise` weight, at its scale."""
+    params = dataclasses.replace(w._params, orig_shape=tuple(q.shape), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=q, params=params))
+
+
 @torch.no_grad()
 def dequantized_rows(w, rows: torch.Tensor) -> torch.Tensor:
     """fp32 values of `rows` of an `elementwise` weight (equal to ``dequantized(w)[rows]``)."""
-    q = w._qdata[rows]
-    params = dataclasses.replace(w._params, orig_shape=(q.shape[0], w.shape[1]), orig_dtype=torch.float32)
-    return dequantized(w._copy_with(qdata=q, params=params))
+    return _dequantized_data(w, w._qdata[rows])
 
 
 @torch.no_grad()
@@ -86,8 +90,7 @@ def stored_row_absmax(w) -> torch.Tensor:
         top = torch.maximum(q.amax(dim=1).to(torch.int16), -q.amin(dim=1).to(torch.int16))
         return top.to(torch.float32) * w._params.scale.to(torch.float32)
     top = (q.view(torch.uint8) & 0x7F).amax(dim=1).view(q.dtype)  # magnitude bits order like magnitudes
-    params = dataclasses.replace(w._params, orig_shape=(top.shape[0], 1), orig_dtype=torch.float32)
-    return dequantized(w._copy_with(qdata=top.reshape(-1, 1), params=params)).reshape(-1)
+    return _dequantized_data(w, top.reshape(-1, 1)).reshape(-1)
 
 
 @torch.no_grad()
@@ -116,9 +119,8 @@ def elements_at_least(w, t: float, limit: int) -> tuple[torch.Tensor, torch.Tens
 @torch.no_grad()
 def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """fp32 [m]: the values of an `elementwise` weight at (rows, cols)."""
-    q = w._qdata[rows.to(w._qdata.device), cols.to(w._qdata.device)].reshape(1, -1)
-    params = dataclasses.replace(w._params, orig_shape=(1, q.shape[1]), orig_dtype=torch.float32)
-    return dequantized(w._copy_with(qdata=q, params=params)).reshape(-1)
+    q = w._qdata[rows.to(w._qdata.device), cols.to(w._qdata.device)]
+    return _dequantized_data(w, q.reshape(1, -1)).reshape(-1)
 
 
 @torch.no_grad()
