@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
-from .block_filter import BlockFilter, groups as block_groups
 from .files.coverage import CoverageReport
 from .files.layer_adapter import LayerAdapter, LoraAdapter
 from .files.load import load_adapter
-from .files.match import match_adapter
+from .files.match import log_report
 from .errors import LoraRuntimeError, NonFiniteMergeError
 from .files.param_deltas import ParamDelta
 from .param_patch import ParamPatch
@@ -35,10 +33,10 @@ from .decision.policy import DecisionCache, MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .intent import AdapterSpec, Intent
 from .layer.schedule import Branch
-from .scaling import combined_factor, layer_strength
-from .settings import DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier, check_strength
+from .settings import DEFAULT_RESTORE_MEMORY, MergeMode, RestoreMemory, Tier
 from .layer.shared_shrink import group_siblings
 from .layer.wrapper import AdaptedLayer, attached_wrapper
+from .targets import targets_of
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +88,13 @@ def plan_intent(model: nn.Module, intent: Intent, *, loader=load_adapter) -> Pla
     planned: list[PlannedAdapter] = []
     used: set[str] = set()
     for spec in intent.adapters:
-        c = spec.schedule.constant() if spec.schedule is not None else None
-        if c is not None and c != 1.0 and spec.branch is Branch.BOTH:
-            # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
-            # runs through the scheduled path, where a unit factor is never multiplied
-            spec = replace(spec, strength=check_strength(combined_factor(spec.strength, c), what=(
-                f"strength x schedule of {os.path.basename(spec.path)}")), schedule=None)
         adapter = loader(spec.path, content_hash=spec.content_hash) if spec.content_hash else loader(spec.path)
         name = unique_name(spec.name or adapter.name, used)
-        layers, coverage = match_adapter(adapter, model, lenient=spec.lenient)
-        coverage.adapter = name  # the report joins coverage and adapters by the planned name
-        strengths, blocks = {}, None
-        if spec.blocks is not None:
-            layers, strengths, blocks = filter_layers(layers, spec.strength, spec.blocks, where=f"adapter {name}")
-        planned.append(PlannedAdapter(name, spec, adapter, layers, coverage, strengths, blocks))
+        t = targets_of(adapter, model, spec, where=f"adapter {name}")
+        t.coverage.adapter = name  # the report joins coverage and adapters by the planned name
+        log_report(t.coverage)
+        strengths = t.strengths(spec.strength, where=f"adapter {name}")
+        planned.append(PlannedAdapter(name, spec, adapter, t.layers, t.coverage, strengths, t.blocks))
     return Plan(intent.mode, intent.tier, planned, restore=intent.restore)
 
 
@@ -114,16 +105,6 @@ def unique_name(name: str, used: set[str]) -> str:
         name, k = f"{base}#{k}", k + 1
     used.add(name)
     return name
-
-
-def filter_layers(layers: dict, strength: float, blocks: BlockFilter, *, where: str):
-    """(layers kept, {layer: strength} for those whose block factor is not 1, report dict) of one
-    adapter under its block filter; errors name `where` (see `block_filter`)."""
-    factors, excluded = blocks.resolve(layers, where=where)
-    strengths = {t: check_strength(layer_strength(strength, f), what=f"{where}: strength x block factor of {t}")
-                 for t, f in factors.items() if f != 1.0}
-    report = {"text": blocks.describe(), **block_groups(factors, excluded)}
-    return {t: la for t, la in layers.items() if t in factors}, strengths, report
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from .block_filter import BlockFilter
+from .scaling import combined_factor
 from .layer.schedule import Branch, Schedule, parse_branch, varies
 from .settings import (DEFAULT_MERGE_MODE, DEFAULT_RESTORE_MEMORY, DEFAULT_TIER, MergeMode, RestoreMemory, Tier,
                        check_strength, parse_merge_mode, parse_restore_memory, parse_tier)
@@ -20,7 +21,8 @@ from .settings import (DEFAULT_MERGE_MODE, DEFAULT_RESTORE_MEMORY, DEFAULT_TIER,
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter as asked for; `strength` is checked against the strength range and `branch`
-    parsed here (errors name `name`, else the file)."""
+    parsed here (errors name `name`, else the file). A schedule that never changes (not 1.0, both
+    branches) is folded into `strength` here, once: the spec then has no schedule."""
 
     path: str
     strength: float = 1.0
@@ -37,6 +39,13 @@ class AdapterSpec:
         label = self.name or os.path.basename(self.path)
         object.__setattr__(self, "strength", check_strength(self.strength, what=f"strength of {label}"))
         object.__setattr__(self, "branch", parse_branch(self.branch, where=f"adapter {label}"))
+        c = self.schedule.constant() if self.schedule is not None else None
+        if c is not None and c != 1.0 and self.branch is Branch.BOTH:
+            # a schedule that never changes is a strength (so auto may merge it); all 1.0 is kept and
+            # runs through the scheduled path, where a unit factor is never multiplied
+            object.__setattr__(self, "strength", check_strength(combined_factor(self.strength, c),
+                                                                what=f"strength x schedule of {label}"))
+            object.__setattr__(self, "schedule", None)
 
     @property
     def varies(self) -> str:

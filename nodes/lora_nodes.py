@@ -15,9 +15,9 @@ import logging
 import time
 
 from . import host
-from ..lora_runtime import LoraRuntimeError, match_adapter
+from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.files.header_check import check_adapter_file
-from ..lora_runtime.apply import filter_layers
+from ..lora_runtime.targets import targets_of
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_branch, parse_schedule, parse_strength_list
 from ..lora_runtime.intent import AdapterSpec
@@ -106,14 +106,14 @@ class LoadLoraAdapter:
         lenient = unmatched_keys == UNMATCHED_CHOICES[1]
         path = host.resolve_lora(lora_name)
         adapter = ADAPTERS.load(path)
-        # names and shapes only: the model is not loaded or patched here
-        targets, coverage = match_adapter(adapter, host.diffusion_model(model), lenient=lenient,
-                                          log_coverage=False)  # no match raises here
         entry = AdapterSpec(path, strength, lora_name, lenient=lenient, schedule=schedule, branch=branch,
                             content_hash=adapter.content_hash, blocks=block_filter)  # the strength is checked here
-        shown = coverage.to_dict()
-        if block_filter is not None:  # an entry selecting none of the adapter's layers raises here
-            shown["blocks"] = filter_layers(targets, entry.strength, block_filter, where=where)[2]
+        # names and shapes only: the model is not loaded or patched here. No match, or a block
+        # filter entry selecting none of the adapter's layers, raises here; the plan reuses this
+        t = targets_of(adapter, host.diffusion_model(model), entry, where=where)
+        shown = t.coverage.to_dict()
+        if t.blocks is not None:
+            shown["blocks"] = t.blocks
         out = lifecycle.with_changes(model, adapters=lifecycle.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
 

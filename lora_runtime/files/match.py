@@ -91,11 +91,16 @@ def match_adapter(adapter: LoraAdapter, model: nn.Module, *, lenient: bool = Fal
     report.notes.extend(host_notes)
     refuse(adapter, report, found.applied, hmap, lenient)
     if log_coverage:  # the loader node checks first and says nothing; the run logs it once
-        if report.partial:
-            log.warning("LoRA only partly matches the model: %s", report.summary())
-        else:
-            log.info("LoRA %s", report.summary())
+        log_report(report)
     return found.targets, report
+
+
+def log_report(report: CoverageReport) -> None:
+    """One log line for a match: a warning when it is partial."""
+    if report.partial:
+        log.warning("LoRA only partly matches the model: %s", report.summary())
+    else:
+        log.info("LoRA %s", report.summary())
 
 
 def _resolve(adapter: LoraAdapter, m: _Model) -> tuple[dict, dict[str, str], list[str]]:

@@ -17,6 +17,7 @@ from comfyui_lora_runtime.lora_runtime import LoraRuntimeError
 from comfyui_lora_runtime.nodes import lifecycle, report
 from comfyui_lora_runtime.nodes.lora_nodes import LoadLoraAdapter, LoraMergeMode, LoraQualityTier
 from comfyui_lora_runtime.nodes.stack_node import LoraStack
+from comfyui_lora_runtime.lora_runtime.block_filter import parse_blocks
 
 from testkit.nodes_helpers import CLASSES, Capture, CondPos, _weights, sampling_graph
 
@@ -42,8 +43,8 @@ def _edit(models_dir, name, factor_of, keep) -> str:
     return name
 
 
-def _model(base, lora="style.safetensors", strength=0.8, blocks="", mode="dynamic", tier="exact"):
-    m = LoadLoraAdapter().load(base, lora, strength, blocks=blocks)["result"][0]
+def _model(base, lora="style.safetensors", strength=0.8, blocks="", mode="dynamic", tier="exact", strength_schedule=""):
+    m = LoadLoraAdapter().load(base, lora, strength, blocks=blocks, strength_schedule=strength_schedule)["result"][0]
     return LoraQualityTier().set_tier(LoraMergeMode().set_mode(m, mode)[0], tier)[0]
 
 
@@ -219,3 +220,58 @@ def test_a_layers_strength_is_one_factor_under_scalings_rules(base, tier):
     n_ref, y_ref = one_call(0.4)
     assert n == n_ref and torch.equal(y, y_ref)
     assert not torch.equal(y, one_call(0.8)[1])
+
+
+def test_the_node_and_the_run_match_and_resolve_the_filter_once(base, monkeypatch):
+    """The loader node matches the adapter and resolves its filter (coverage shown, early errors);
+    the run reuses that for the same model and adapter objects: one match, one resolve, and the
+    same output as without the memo. A model the node never saw is matched again (the memo is per
+    model object, not a guess)."""
+    from comfyui_lora_runtime.lora_runtime import block_filter, targets
+    calls = {"match": 0, "resolve": 0}
+    match, resolve = targets.match_adapter, block_filter.BlockFilter.resolve
+
+    def counted_match(*a, **k):
+        calls["match"] += 1
+        return match(*a, **k)
+
+    def counted_resolve(self, *a, **k):
+        calls["resolve"] += 1
+        return resolve(self, *a, **k)
+    monkeypatch.setattr(targets, "match_adapter", counted_match)
+    monkeypatch.setattr(block_filter.BlockFilter, "resolve", counted_resolve)
+    targets._MEMO.clear()
+    m = _model(base, blocks=FILTER, strength_schedule="0.5", mode="auto")
+    got = _sample(m)
+    assert calls == {"match": 1, "resolve": 1}
+    r = lifecycle.last_report(m)["adapters"][0]
+    assert r["layers"] == 12 and r["blocks"]["excluded"] == 8
+    # without the memo (node and run each match and resolve) the output is the same; the run
+    # without the filter (the wrong answer, sampled first so the run above is not kept) differs
+    monkeypatch.setattr(targets, "MEMO_ENTRIES", 0)
+    targets._MEMO.clear()
+    calls.update(match=0, resolve=0)
+    unfiltered = _sample(_model(base, strength_schedule="0.5", mode="auto"))
+    assert calls == {"match": 2, "resolve": 0}
+    want = _sample(_model(base, blocks=FILTER, strength_schedule="0.5", mode="auto"))
+    assert calls == {"match": 4, "resolve": 2}
+    assert torch.equal(got, want) and not torch.equal(want, unfiltered)
+
+
+def test_each_call_gets_its_own_coverage_and_dicts(base, models_dir):
+    """The memo's answer is shared; what a caller receives is its own (the plan names the coverage)."""
+    from comfyui_lora_runtime.lora_runtime import targets
+    from comfyui_lora_runtime.lora_runtime.intent import AdapterSpec
+    from comfyui_lora_runtime.nodes import host
+    from comfyui_lora_runtime.nodes.caches import ADAPTERS
+    path = str(models_dir / "loras" / "style.safetensors")
+    adapter, model = ADAPTERS.load(path), host.diffusion_model(base)
+    spec = AdapterSpec(path, 0.8, blocks=parse_blocks(FILTER))
+    a, b = (targets.targets_of(adapter, model, spec, where="x") for _ in range(2))
+    a.coverage.adapter = "renamed"
+    a.coverage.notes.append("a note")
+    a.layers.clear()
+    a.factors.clear()
+    assert b.coverage.adapter != "renamed" and "a note" not in b.coverage.notes
+    assert len(b.layers) == 12 and set(b.strengths(0.8, where="x").values()) == {0.4}
+    assert len(b.strengths(0.8, where="x")) == 6 and b.factors is not a.factors
