@@ -9,7 +9,10 @@ Contract
 - Each layer's sums are its sample's times its rows per sampled row, so layers sampled at different
   rates weigh as their whole weights do.
 - A float weight: an even sample of whole rows (at most SAMPLE_ELEMENTS elements), rounded to its dtype.
-- A quantized weight of a row-wise layout (`quantized_rows.row_wise`): the same even sample,
+- A quantized weight whose rows re-quantize alone (`quantized_rows.row_local`: mxfp8, the 4-bit
+  row-wise layouts): the same even sample in whole scale tiles of rows (read alone where the layout
+  allows), re-quantized alone: bit for bit the whole merge's rows (round to nearest). No search.
+- A quantized weight of another row-wise layout (`quantized_rows.row_wise`): the same even sample,
   re-quantized at the scale the whole merge recalculates from the merged tensor's largest |value|.
   That value is found exactly without merging the whole: the sample, the rows with the largest stored
   values, and every element (per-tensor layouts, low-rank updates) or row elsewhere that a bound of
@@ -80,16 +83,43 @@ class _Rows:
         self.dtype = None if w.quantized else weight.dtype
         self.weight = weight.shape[0] / self.cur.shape[0]  # rows per sampled row
 
+    def _round(self, exact: torch.Tensor) -> torch.Tensor:
+        return self.w.grid_round(exact) if self.dtype is None else exact.to(self.dtype).float()
+
     def measure(self, s, name: str):
         d = self.w.delta_rows(self.sel, [s])
         exact = self.cur + d
-        rounded = self.w.grid_round(exact) if self.dtype is None else exact.to(self.dtype).float()
+        rounded = self._round(exact)
         e = _sq(rounded - exact)
         _finite_check(e, rounded, self.cur, exact, name, self.w.layer_name, self.dtype)
         return e * self.weight, _sq(d) * self.weight, rounded
 
     def advance(self, rounded) -> None:
         self.cur = rounded
+
+
+class _LocalRows(_Rows):
+    """A `row_local` quantized weight's sample: its rows re-quantize alone as in the whole merge."""
+
+    def __init__(self, w, max_rows: int):
+        q = w.get_base_layer().weight
+        self.w, self.q, self.seed, self.dtype = w, q, w.requant_seed, None
+        n, cols, t = q.shape[0], q.shape[1], qrows.tile_rows(q)
+        want = sample_rows(n, torch.device("cpu"), max_rows, cols)
+        want = n if isinstance(want, slice) else want.numel()
+        if t is None:  # rows read from the layout's own dequantization of the whole
+            self.sel = torch.arange(n) if want >= n else sample_rows(n, torch.device("cpu"), want)
+            self.cur = w.weight2d.detach()[self.sel.to(q.device)].float()
+        else:  # whole scale tiles, evenly spaced: only they are read
+            tiles = -(-n // t)
+            picked = sample_rows(tiles, torch.device("cpu"), max(1, -(-want // t)))
+            picked = torch.arange(tiles) if isinstance(picked, slice) else picked
+            self.sel = torch.cat([torch.arange(i * t, min((i + 1) * t, n)) for i in picked.tolist()])
+            self.cur = qrows.dequantized_tiles(q, picked)
+        self.weight = n / self.sel.numel()
+
+    def _round(self, exact: torch.Tensor) -> torch.Tensor:
+        return qrows.grid_round_rows(self.q, exact, None, self.seed)
 
 
 class _QuantRows:
@@ -115,6 +145,7 @@ class _QuantRows:
         self.cur = self._base(self.sel)
         self.moved = torch.zeros(n)   # per row: a bound of how far the merges so far moved its values
         self.history: list = []       # (slot, largest |value|) of each merge so far
+        self._cheap = None            # the last merge's rows whose move bound is the cheap one (`_settle`)
 
     def _base(self, rows: torch.Tensor) -> torch.Tensor:
         dev = self.q.device
@@ -122,15 +153,39 @@ class _QuantRows:
             return self._full[rows.to(dev)].float()
         return qrows.dequantized_rows(self.q, rows.to(dev))
 
-    def _bound(self, s) -> torch.Tensor:
-        """fp32 [out]: each row's largest |value| of slot `s`'s update, exactly (chunked products: a
-        small share of a merge, which also dequantizes and re-quantizes every element)."""
-        n, dev = self.row_max.numel(), self.q.device
-        out = torch.empty(n)
-        for i in range(0, n, REFINE_ROWS):
-            rows = torch.arange(i, min(n, i + REFINE_ROWS), device=dev)
-            out[i:i + rows.numel()] = self.w.delta_rows(rows, [s]).abs().amax(dim=1).cpu()
-        return out * 1.0001  # the fp32 roundings of the update as the merge computes it
+    def _bound(self, s, low: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fp32 [out]: a bound of each row's largest |value| of slot `s`'s update, the rows whose
+        bound is only the cheap one or None): from its factors for every row (|scale| x sum_r
+        |up[i, r]| max_j |down[r, j]|), exact (chunked products) for the rows that bound lets reach
+        `low`, so the rows searched stay few."""
+        n = self.row_max.numel()
+        stack = s.update.stack()
+        if stack is None:
+            return self._exact_bound(s, torch.arange(n), torch.empty(n)), None
+        down, up, scale = stack
+        k = abs(float(scale) * s.strength)
+        out = (up.float().abs() @ down.float().abs().amax(dim=1)).cpu() * (k * 1.001)
+        cheap = self.row_max + out + (self.moved if self.moved is not None else math.inf) < low
+        return self._exact_bound(s, torch.nonzero(~cheap).reshape(-1), out), cheap
+
+    def _exact_bound(self, s, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` with the exact largest |value| of slot `s`'s update at `rows` (x 1.0001: the fp32
+        roundings of the update as the merge computes it)."""
+        dev = self.q.device
+        for i in range(0, rows.numel(), REFINE_ROWS):
+            part = rows[i:i + REFINE_ROWS]
+            out[part] = self.w.delta_rows(part.to(dev), [s]).abs().amax(dim=1).cpu() * 1.0001
+        return out
+
+    def _settle(self) -> None:
+        """Make exact the bounds the last merge's moves kept cheap (when a later adapter is measured:
+        the cheap ones would let nearly every row reach the top)."""
+        if self._cheap is None:
+            return
+        s, cheap, before, step = self._cheap
+        self._cheap = None
+        rows = torch.nonzero(cheap).reshape(-1)
+        self.moved[rows] = before[rows] + self._exact_bound(s, rows, torch.empty(cheap.numel()))[rows] + step
 
     def _missing(self) -> torch.Tensor:
         """The rows not held."""
@@ -167,12 +222,10 @@ class _QuantRows:
         if rows.numel() == 0:
             return low
         if self._full is None:
-            found = qrows.elements_at_least(self.q, low - float(room[rows].max()), SAMPLE_ELEMENTS)
+            found = qrows.elements_at_least(self.q, low - float(room[rows].max()), SAMPLE_ELEMENTS, rows)
             if found is None:
                 return None
             r, c = found
-            keep = torch.isin(r, rows)
-            r, c = r[keep], c[keep]
         else:
             dev = self._full.device
             sub = self._full[rows.to(dev)].abs() >= (low - room[rows]).to(dev)[:, None]
@@ -207,19 +260,20 @@ class _QuantRows:
 
     def measure(self, s, name: str):
         n = self.row_max.numel()
+        self._settle()
         if self.history and self.sel.numel() < n and (self.step is None or self.step >= COARSE_STEP):
             self._hold_all()  # after a merge on a coarse grid any row may reach the top
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
         if self.sel.numel() == n:  # every row held: the top is in hand
             return self._merged_rows(d, s, name, None)
-        b = self._bound(s)
         # the largest |value| the held rows reach is a floor for the whole tensor's
         low = float((self.cur + d).abs().amax())
+        b, cheap = self._bound(s, low)
         if self.block is not None and self.moved is not None and all(
                 p.update.stack() is not None for p, _ in self.history + [(s, None)]):
             top = self._block_top(s, b, low)
             if top is not None:
-                return self._merged_rows(d, s, name, b, torch.tensor(top))
+                return self._merged_rows(d, s, name, (b, cheap), torch.tensor(top))
         new = self._reach(b, low)
         if new.numel():
             if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * n:
@@ -227,7 +281,7 @@ class _QuantRows:
             else:
                 self._add(new)
             d = torch.cat([d, self.w.delta_rows(new.to(self.q.device), [s])])
-        return self._merged_rows(d, s, name, b)
+        return self._merged_rows(d, s, name, (b, cheap))
 
     def _merged_rows(self, d, s, name: str, b, amax=None):
         """The held rows merged with `d` at the scale of the largest |value| `amax` (default: theirs)."""
@@ -244,11 +298,18 @@ class _QuantRows:
         return e * k, _sq(d[m]) * k
 
     def advance(self, after) -> None:
-        rounded, amax, s, b = after
+        """`after`: (rounded rows, largest |value|, slot, (bound, its cheap rows) or None)."""
+        rounded, amax, s, bound = after
         self.cur = rounded
         self.history.append((s, amax))
-        known = self.step is not None and self.moved is not None and b is not None
-        self.moved = self.moved + b + self.step * float(amax) if known else None
+        if self.step is None or self.moved is None or bound is None:
+            self.moved = None
+            return
+        b, cheap = bound
+        before, step = self.moved, self.step * float(amax)
+        self.moved = before + b + step
+        if cheap is not None and bool(cheap.any()):
+            self._cheap = (s, cheap, before, step)
 
 
 def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -267,8 +328,7 @@ class SequentialEstimate:
     """Row samples of every weight, advanced by each adapter that merges, in merge order."""
 
     def __init__(self, wrappers: list, max_rows: int = MAX_SAMPLE_ROWS):
-        self.rows = {w.layer_name: (_QuantRows(w, max_rows) if w.quantized and qrows.row_wise(w.get_base_layer().weight)
-                                    else _Rows(w, max_rows)) for w in wrappers}
+        self.rows = {w.layer_name: _sample(w, max_rows) for w in wrappers}
 
     @torch.no_grad()
     def share(self, name: str) -> tuple[float, dict]:
@@ -287,3 +347,12 @@ class SequentialEstimate:
     def advance(self, after: dict) -> None:
         for layer, state in after.items():
             self.rows[layer].advance(state)
+
+
+def _sample(w, max_rows: int):
+    q = w.get_base_layer().weight
+    if w.quantized and qrows.row_local(q):
+        return _LocalRows(w, max_rows)
+    if w.quantized and qrows.row_wise(q):
+        return _QuantRows(w, max_rows)
+    return _Rows(w, max_rows)

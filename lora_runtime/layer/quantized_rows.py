@@ -12,8 +12,13 @@ Contract
 - `elementwise(w)`: the layout dequantizes as stored value times one scalar scale (per-tensor fp8,
   int8 without rotation): then `dequantized_rows(w, rows)` reads only those rows (bit for bit the
   rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
-  from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit)` finds the
-  elements whose |value| is at least `t` the same way (None past `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
+  from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit, rows)` finds
+  the elements whose |value| is at least `t` the same way, reading only `rows` when given (None past
+  `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
+- `row_local(w)`: the row-wise layouts with no scale spanning the tensor (mxfp8, the 4-bit ones):
+  rows re-quantized alone are the whole merge's rows. `dequantized_tiles(w, tiles)` reads whole
+  tiles of rows of a layout whose swizzled scales come in tiles of `tile_rows(w)` rows (mxfp8: 128)
+  without dequantizing the rest, bit for bit the rows of the whole dequantization.
 - `block_width(w)`: the columns a row-wise layout quantizes together (per-tensor fp8 / int8: 1,
   nvfp4: 16, mxfp8: 32), or None when whole rows must go together; blocks of any rows, laid out as
   the rows of a tensor of that width, re-quantize as in the whole tensor (`grid_round_rows`).
@@ -51,6 +56,42 @@ def block_width(w) -> int | None:
     if layout == "TensorWiseINT8Layout" and getattr(w._params, "convrot", False):
         return None
     return _BLOCK.get(layout)
+
+
+# layouts whose scales belong to blocks of one row and none spans the tensor (re-quantizing rows
+# alone gives the whole merge's rows); with the rows per tile of their swizzled scale layout (None:
+# rows are read from the whole dequantization)
+_ROW_LOCAL = {"TensorCoreMXFP8Layout": 128, "TensorCoreConvRotW4A4Layout": None, "AsymW4A8Int8Layout": None}
+
+
+def row_local(w) -> bool:
+    """Does re-quantizing `w` treat each row on its own, with no scale spanning the tensor? (2-D only)"""
+    return quant_layout(w) in _ROW_LOCAL and len(w.shape) == 2
+
+
+def tile_rows(w) -> int | None:
+    """The rows one tile of a `row_local` weight's scales covers (read together), or None."""
+    return _ROW_LOCAL.get(quant_layout(w))
+
+
+@torch.no_grad()
+def dequantized_tiles(w, tiles: torch.Tensor) -> torch.Tensor:
+    """fp32 rows of the scale tiles `tiles` (ascending) of a `row_local` weight with `tile_rows`, read
+    alone: equal to ``dequantized(w)[rows of those tiles]``. A tile's scales are `tile_rows` rows of
+    the scale tensor in the tile's row order, so tiles stacked are a weight of the same layout."""
+    t, rows = tile_rows(w), w.shape[0]
+    q, scale = w._qdata, w._params.scale
+    data, scales, n = [], [], 0
+    for i in tiles.tolist():
+        r0, r1 = i * t, min((i + 1) * t, rows)
+        n += r1 - r0
+        data.append(q[r0:r0 + (r1 - r0 + 31) // 32 * 32] if r1 - r0 < t else q[r0:r1])
+        scales.append(scale[r0:r0 + t])
+    if any(d.shape[0] != t for d in data[:-1]):
+        raise ValueError("only the last tile may be a partial one")
+    params = dataclasses.replace(w._params, scale=torch.cat(scales), orig_shape=(n, w.shape[1]),
+                                 orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=torch.cat(data), params=params))
 
 
 def row_wise(w) -> bool:
@@ -94,10 +135,13 @@ def stored_row_absmax(w) -> torch.Tensor:
 
 
 @torch.no_grad()
-def elements_at_least(w, t: float, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t`; None
-    when they are more than `limit`."""
+def elements_at_least(w, t: float, limit: int, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t`, among
+    `rows` (default: every row; only those are read); None when they are more than `limit`."""
     q, scale = w._qdata, float(w._params.scale)
+    if rows is not None:
+        q = q[rows.to(q.device)]
     if q.dtype in _FP8_STEP:  # the smallest magnitude byte whose value reaches t
         table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
         table = torch.where(torch.isfinite(table), table, torch.inf)
@@ -112,8 +156,9 @@ def elements_at_least(w, t: float, limit: int) -> tuple[torch.Tensor, torch.Tens
         hit = (q >= k) | (q <= -k) if k <= 127 else q == -128
     if int(hit.sum()) > limit:
         return None
-    rows, cols = torch.nonzero(hit, as_tuple=True)
-    return rows.cpu(), cols.cpu()
+    r, cols = torch.nonzero(hit, as_tuple=True)
+    r = r.cpu()
+    return (r if rows is None else rows.cpu()[r]), cols.cpu()
 
 
 @torch.no_grad()
@@ -124,13 +169,16 @@ def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def grid_round_rows(w, exact: torch.Tensor, amax: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """fp32 [rows, in]: the merged rows `exact` on the grid a whole merge with largest |value| `amax` uses."""
-    extra = exact.new_zeros(1, exact.shape[1])
-    extra[0, 0] = amax
+def grid_round_rows(w, exact: torch.Tensor, amax: torch.Tensor | None, seed: int = 0) -> torch.Tensor:
+    """fp32 [rows, in]: the merged rows `exact` on the grid a whole merge with largest |value| `amax`
+    uses (None: a `row_local` layout, whose rows need no tensor-wide value)."""
     kwargs = {"scale": "recalculate"}
     if seed:
         kwargs["stochastic_rounding"] = seed
+    if amax is None:
+        return dequantized(w.requantize_from_float(exact, **kwargs))
+    extra = exact.new_zeros(1, exact.shape[1])
+    extra[0, 0] = amax
     out = w.requantize_from_float(torch.cat([exact, extra]), **kwargs)
     return dequantized(out)[:-1]
 

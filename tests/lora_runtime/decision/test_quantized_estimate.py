@@ -22,6 +22,8 @@ from comfyui_lora_runtime.lora_runtime.settings import MergeMode  # noqa: E402
 
 LAYOUTS = ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout",
            "TensorCoreNVFP4Layout", "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"]
+TENSOR_SCALED = ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout", "TensorCoreNVFP4Layout"]
+ROW_LOCAL = [x for x in LAYOUTS if x not in TENSOR_SCALED]
 ROWS, COLS, RANK = 512, 256, 32
 TOP = (301, 17)  # the largest weight: a row the even sample does not hold
 
@@ -56,7 +58,7 @@ def _whole(w: AdaptedLayer, names: list[str]) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
 def test_the_sample_takes_the_whole_merges_scale(layout):
     w = _layer(layout, sizes=(0.02, 0.01))
     est = estimate.SequentialEstimate([w])
@@ -73,6 +75,25 @@ def test_the_sample_takes_the_whole_merges_scale(layout):
     assert sample_only < 0.9 * whole[0]  # the wrong answer: the sample's own top
 
 
+@pytest.mark.parametrize("layout", ROW_LOCAL)
+def test_row_local_samples_are_the_whole_merges_rows(layout):
+    """mxfp8 and the 4-bit layouts have no scale spanning the tensor: the sampled rows, merged twice in
+    turn, are bit for bit those rows of the whole merges (round to nearest); no search, no top."""
+    w = _layer(layout, sizes=(0.02, 0.01))
+    est = estimate.SequentialEstimate([w])
+    rows = est.rows["l"]
+    assert isinstance(rows, estimate._LocalRows) and rows.sel.numel() < ROWS
+    cur = w.weight2d.clone()
+    assert torch.equal(rows.cur, cur[rows.sel])
+    for name in ("a0", "a1"):
+        _, after = est.share(name)
+        exact = cur + w.delta_rows(slice(None), [w.slots[name]])
+        cur = w.grid_round(exact)
+        assert torch.equal(after["l"], cur[rows.sel])
+        assert not torch.equal(after["l"], exact[rows.sel])   # the wrong answer: no rounding
+        est.advance(after)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
     w = _layer(layout)
@@ -86,10 +107,12 @@ def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
     assert every > 0.01  # the wrong answer (no adapter, or no rounding) is 0
 
 
-@pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout"])
+@pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout"])
 def test_per_tensor_layouts_never_read_the_whole_weight(layout, monkeypatch):
     """The measurement dequantizes and re-quantizes at most a quarter of the weight's elements
-    (what makes it cost a fraction of a merge, which does both to every element)."""
+    (what makes it cost a fraction of a merge, which does both to every element). mxfp8 reads whole
+    scale tiles of 128 rows: here one tile (a quarter of these 512 rows; a small share of a real
+    layer's), re-quantized once per adapter and read back."""
     w = _layer(layout, sizes=(0.05, 0.04))
     seen = {"dequantized": 0, "requantized": 0}
     real_dq, real_rq = quantized_rows.dequantized, type(w.get_base_layer().weight).requantize_from_float
@@ -110,6 +133,9 @@ def test_per_tensor_layouts_never_read_the_whole_weight(layout, monkeypatch):
     monkeypatch.setattr(base_weight, "dequantized", whole)
     d = decide(MergeMode.AUTO, [w], DecisionCache())
     assert [a.chosen for a in d.adapters] == ["merge", "merge"]  # the second measured after the first merged
+    if layout == "TensorCoreMXFP8Layout":
+        assert seen == {"dequantized": 3 * 128 * COLS, "requantized": 2 * 128 * COLS}
+        return
     assert 0 < seen["dequantized"] <= ROWS * COLS / 4 and 0 < seen["requantized"] <= 2 * ROWS * COLS / 4
 
 

@@ -57,8 +57,31 @@ def test_elementwise_layouts_read_rows_and_elements_from_their_bytes(layout):
     assert torch.equal(rows, want[0]) and torch.equal(cols, want[1]) and 0 < rows.numel() < full.numel() // 50
     assert torch.equal(qr.dequantized_at(q, rows, cols), full[rows, cols])
     assert qr.elements_at_least(q, t, limit=rows.numel() - 1) is None
+    # among some rows only (only those are read): the same elements, restricted to them
+    some = torch.unique(rows)[::2]
+    r2, c2 = qr.elements_at_least(q, t, limit=10_000, rows=some)
+    keep = torch.isin(rows, some)
+    assert torch.equal(r2, rows[keep]) and torch.equal(c2, cols[keep]) and 0 < r2.numel() < rows.numel()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[4:])
 def test_block_layouts_are_not_read_by_element(layout):
     assert not qr.elementwise(_weight(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_row_local_layouts_and_their_tiles(layout):
+    """A layout is row-local exactly when rows re-quantized alone are the whole merge's rows (the
+    wrong answer: a tensor-scaled layout called row-local); its tiles read alone are the whole
+    dequantization's rows, the last (partial) tile included."""
+    q = _weight(layout)
+    assert qr.row_local(q) == (layout not in TENSOR_SCALED)
+    t = qr.tile_rows(q)
+    if t is None:
+        return
+    full = dequantized(q)
+    for tiles in (torch.tensor([0]), torch.tensor([1]), torch.tensor([0, 2]), torch.tensor([2])):
+        rows = torch.cat([torch.arange(i * t, min((i + 1) * t, full.shape[0])) for i in tiles.tolist()])
+        got = qr.dequantized_tiles(q, tiles)
+        assert torch.equal(got, full[rows]), tiles
+        assert not torch.equal(got[:-1], full[rows[:-1] + 1])   # and not some other rows
