@@ -10,8 +10,8 @@ Contract
   rates weigh as their whole weights do.
 - A float weight: an even sample of whole rows (at most SAMPLE_ELEMENTS elements), rounded to its dtype.
 - A quantized weight whose rows re-quantize alone (`quantized_rows.row_local`: mxfp8, the 4-bit
-  row-wise layouts): the same even sample in whole scale tiles of rows (read alone where the layout
-  allows), re-quantized alone: bit for bit the whole merge's rows (round to nearest). No search.
+  row-wise layouts): the same even sample (read alone where the layout allows), re-quantized
+  alone: bit for bit the whole merge's rows (round to nearest). No search.
 - A quantized weight of another row-wise layout (`quantized_rows.row_wise`): the same even sample,
   re-quantized at the scale the whole merge recalculates from the merged tensor's largest |value|.
   That value is found exactly without merging the whole: the sample, the rows with the largest stored
@@ -104,18 +104,13 @@ class _LocalRows(_Rows):
     def __init__(self, w, max_rows: int):
         q = w.get_base_layer().weight
         self.w, self.q, self.seed, self.dtype = w, q, w.requant_seed, None
-        n, cols, t = q.shape[0], q.shape[1], qrows.tile_rows(q)
-        want = sample_rows(n, torch.device("cpu"), max_rows, cols)
-        want = n if isinstance(want, slice) else want.numel()
-        if t is None:  # rows read from the layout's own dequantization of the whole
-            self.sel = torch.arange(n) if want >= n else sample_rows(n, torch.device("cpu"), want)
+        n, cols = q.shape
+        sel = sample_rows(n, torch.device("cpu"), max_rows, cols)
+        self.sel = torch.arange(n) if isinstance(sel, slice) else sel
+        if qrows.swizzled(q):  # only the sampled rows are read
+            self.cur = qrows.dequantized_rows(q, self.sel)
+        else:  # rows read from the layout's own dequantization of the whole
             self.cur = w.weight2d.detach()[self.sel.to(q.device)].float()
-        else:  # whole scale tiles, evenly spaced: only they are read
-            tiles = -(-n // t)
-            picked = sample_rows(tiles, torch.device("cpu"), max(1, -(-want // t)))
-            picked = torch.arange(tiles) if isinstance(picked, slice) else picked
-            self.sel = torch.cat([torch.arange(i * t, min((i + 1) * t, n)) for i in picked.tolist()])
-            self.cur = qrows.dequantized_tiles(q, picked)
         self.weight = n / self.sel.numel()
 
     def _round(self, exact: torch.Tensor) -> torch.Tensor:
@@ -132,8 +127,11 @@ class _QuantRows:
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
-        if qrows.elementwise(self.q):
+        self._elementwise = qrows.elementwise(self.q)
+        if self._elementwise:
             self._full, self.row_max = None, qrows.stored_row_absmax(self.q).cpu()
+        elif qrows.swizzled(self.q):  # rows read alone; row maxima bounded from the scales
+            self._full, self.row_max = None, qrows.row_bound(self.q)
         else:  # the layout's own dequantization, once
             self._full = w.weight2d.detach()
             self.row_max = self._full.abs().amax(dim=1).cpu()
@@ -221,14 +219,14 @@ class _QuantRows:
         rows = torch.nonzero(~held & (self.row_max + room >= low)).reshape(-1)
         if rows.numel() == 0:
             return low
-        if self._full is None:
+        if self._elementwise:
             found = qrows.elements_at_least(self.q, low - float(room[rows].max()), SAMPLE_ELEMENTS, rows)
             if found is None:
                 return None
             r, c = found
         else:
-            dev = self._full.device
-            sub = self._full[rows.to(dev)].abs() >= (low - room[rows]).to(dev)[:, None]
+            vals = self._base(rows)
+            sub = vals.abs() >= (low - room[rows]).to(vals.device)[:, None]
             if int(sub.sum()) > SAMPLE_ELEMENTS:
                 return None
             i, c = torch.nonzero(sub, as_tuple=True)
@@ -248,10 +246,11 @@ class _QuantRows:
 
     def _base_at(self, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """fp32 [m, width]: the base weight at rows `r` [m], columns `c` [m, width]."""
-        if self._full is not None:
-            dev = self._full.device
-            return self._full[r.to(dev)[:, None], c.to(dev)].float()
-        return qrows.dequantized_at(self.q, r.repeat_interleave(c.shape[1]), c.reshape(-1)).reshape(c.shape)
+        if self._elementwise:
+            return qrows.dequantized_at(self.q, r.repeat_interleave(c.shape[1]), c.reshape(-1)).reshape(c.shape)
+        rows, at = torch.unique(r, return_inverse=True)
+        vals = self._base(rows)
+        return vals[at.to(vals.device)[:, None], c.to(vals.device)]
 
     def _round_blocks(self, exact: torch.Tensor, amax) -> torch.Tensor:
         if self.block == 1:  # elements quantize on their own: one row of them

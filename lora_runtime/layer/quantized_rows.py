@@ -16,9 +16,11 @@ Contract
   the elements whose |value| is at least `t` the same way, reading only `rows` when given (None past
   `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
 - `row_local(w)`: the row-wise layouts with no scale spanning the tensor (mxfp8, the 4-bit ones):
-  rows re-quantized alone are the whole merge's rows. `dequantized_tiles(w, tiles)` reads whole
-  tiles of rows of a layout whose swizzled scales come in tiles of `tile_rows(w)` rows (mxfp8: 128)
-  without dequantizing the rest, bit for bit the rows of the whole dequantization.
+  rows re-quantized alone are the whole merge's rows.
+- `swizzled(w)`: block scales stored in the cuBLAS block-scaling layout (mxfp8, nvfp4):
+  `dequantized_rows(w, rows)` reads any rows as a weight of their own (their scales laid out
+  again), bit for bit the rows of the whole dequantization; `row_bound(w)` (nvfp4) bounds each
+  row's largest |value| from its scales alone.
 - `block_width(w)`: the columns a row-wise layout quantizes together (per-tensor fp8 / int8: 1,
   nvfp4: 16, mxfp8: 32), or None when whole rows must go together; blocks of any rows, laid out as
   the rows of a tensor of that width, re-quantize as in the whole tensor (`grid_round_rows`).
@@ -59,39 +61,13 @@ def block_width(w) -> int | None:
 
 
 # layouts whose scales belong to blocks of one row and none spans the tensor (re-quantizing rows
-# alone gives the whole merge's rows); with the rows per tile of their swizzled scale layout (None:
-# rows are read from the whole dequantization)
-_ROW_LOCAL = {"TensorCoreMXFP8Layout": 128, "TensorCoreConvRotW4A4Layout": None, "AsymW4A8Int8Layout": None}
+# alone gives the whole merge's rows)
+_ROW_LOCAL = frozenset({"TensorCoreMXFP8Layout", "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"})
 
 
 def row_local(w) -> bool:
     """Does re-quantizing `w` treat each row on its own, with no scale spanning the tensor? (2-D only)"""
     return quant_layout(w) in _ROW_LOCAL and len(w.shape) == 2
-
-
-def tile_rows(w) -> int | None:
-    """The rows one tile of a `row_local` weight's scales covers (read together), or None."""
-    return _ROW_LOCAL.get(quant_layout(w))
-
-
-@torch.no_grad()
-def dequantized_tiles(w, tiles: torch.Tensor) -> torch.Tensor:
-    """fp32 rows of the scale tiles `tiles` (ascending) of a `row_local` weight with `tile_rows`, read
-    alone: equal to ``dequantized(w)[rows of those tiles]``. A tile's scales are `tile_rows` rows of
-    the scale tensor in the tile's row order, so tiles stacked are a weight of the same layout."""
-    t, rows = tile_rows(w), w.shape[0]
-    q, scale = w._qdata, w._params.scale
-    data, scales, n = [], [], 0
-    for i in tiles.tolist():
-        r0, r1 = i * t, min((i + 1) * t, rows)
-        n += r1 - r0
-        data.append(q[r0:r0 + (r1 - r0 + 31) // 32 * 32] if r1 - r0 < t else q[r0:r1])
-        scales.append(scale[r0:r0 + t])
-    if any(d.shape[0] != t for d in data[:-1]):
-        raise ValueError("only the last tile may be a partial one")
-    params = dataclasses.replace(w._params, scale=torch.cat(scales), orig_shape=(n, w.shape[1]),
-                                 orig_dtype=torch.float32)
-    return dequantized(w._copy_with(qdata=torch.cat(data), params=params))
 
 
 def row_wise(w) -> bool:
@@ -117,10 +93,61 @@ def _dequantized_data(w, q: torch.Tensor) -> torch.Tensor:
     return dequantized(w._copy_with(qdata=q, params=params))
 
 
+# layouts whose block scales are stored in the cuBLAS block-scaling layout: (the scale field, the
+# rows the data is padded to a multiple of)
+_SWIZZLED = {"TensorCoreMXFP8Layout": ("scale", 32), "TensorCoreNVFP4Layout": ("block_scale", 16)}
+_FP4_MAX = 6.0  # the largest |value| of an e2m1 element
+
+
+def swizzled(w) -> bool:
+    """Are `w`'s block scales stored in the cuBLAS block-scaling layout (rows readable alone)?"""
+    layout = quant_layout(w)
+    return layout in _SWIZZLED and len(w.shape) == 2 and not getattr(w._params, "transposed", False)
+
+
+def _tiled_index(rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """[len(rows), cols]: where entries (rows, 0..cols-1) of a scale matrix `cols` wide (a multiple
+    of 4) lie in the cuBLAS block-scaling layout: 128 x 4 tiles of 512 entries in row-major tile
+    order, entry (r, c) of a tile at (r % 32) * 16 + (r // 32) * 4 + c."""
+    r, c = rows.reshape(-1, 1).long(), torch.arange(cols, device=rows.device).reshape(1, -1)
+    return ((r // 128) * (cols // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def _scale_rows(w, rows: torch.Tensor) -> torch.Tensor:
+    """The block scales of `rows` of a `swizzled` weight, one row each (uint8 view) [m, cols]."""
+    field, _ = _SWIZZLED[quant_layout(w)]
+    scale = getattr(w._params, field)
+    flat = scale.reshape(-1).view(torch.uint8)
+    return flat[_tiled_index(rows.to(flat.device), scale.shape[-1])]
+
+
 @torch.no_grad()
 def dequantized_rows(w, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 values of `rows` of an `elementwise` weight (equal to ``dequantized(w)[rows]``)."""
-    return _dequantized_data(w, w._qdata[rows])
+    """fp32 values of `rows` of an `elementwise` or `swizzled` weight (equal to ``dequantized(w)[rows]``):
+    a `swizzled` one is read as a weight of those rows alone, their scales laid out again."""
+    if not swizzled(w):
+        return _dequantized_data(w, w._qdata[rows])
+    field, pad = _SWIZZLED[quant_layout(w)]
+    scale = getattr(w._params, field)
+    m, cols = rows.numel(), scale.shape[-1]
+    own = torch.zeros((m + 127) // 128 * 128 * cols, dtype=torch.uint8, device=scale.device)
+    own[_tiled_index(torch.arange(m, device=scale.device), cols)] = _scale_rows(w, rows)
+    q = w._qdata[rows.to(w._qdata.device)]
+    q = torch.cat([q, q.new_zeros((-m % pad,) + tuple(q.shape[1:]))])
+    params = dataclasses.replace(w._params, **{field: own.reshape(-1, cols).view(scale.dtype)},
+                                 orig_shape=(m, w.shape[1]), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=q, params=params))
+
+
+@torch.no_grad()
+def row_bound(w) -> torch.Tensor:
+    """fp32 [out]: a bound of each row's largest |value| of an nvfp4 weight from its scales only:
+    the largest element value times the per-tensor scale times the row's largest block scale (the
+    product rounded as the dequantization rounds its decode scale: never below a value)."""
+    bs = _scale_rows(w, torch.arange(w.shape[0], device=w._qdata.device))
+    field, _ = _SWIZZLED[quant_layout(w)]
+    top = bs.amax(dim=1).view(getattr(w._params, field).dtype).to(torch.float32)
+    return (w._params.scale.to(torch.float32) * top * _FP4_MAX).cpu()
 
 
 @torch.no_grad()

@@ -70,18 +70,31 @@ def test_block_layouts_are_not_read_by_element(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_row_local_layouts_and_their_tiles(layout):
+def test_row_local_layouts(layout):
     """A layout is row-local exactly when rows re-quantized alone are the whole merge's rows (the
-    wrong answer: a tensor-scaled layout called row-local); its tiles read alone are the whole
-    dequantization's rows, the last (partial) tile included."""
+    wrong answer: a tensor-scaled layout called row-local)."""
     q = _weight(layout)
     assert qr.row_local(q) == (layout not in TENSOR_SCALED)
-    t = qr.tile_rows(q)
-    if t is None:
-        return
     full = dequantized(q)
-    for tiles in (torch.tensor([0]), torch.tensor([1]), torch.tensor([0, 2]), torch.tensor([2])):
-        rows = torch.cat([torch.arange(i * t, min((i + 1) * t, full.shape[0])) for i in tiles.tolist()])
-        got = qr.dequantized_tiles(q, tiles)
-        assert torch.equal(got, full[rows]), tiles
-        assert not torch.equal(got[:-1], full[rows[:-1] + 1])   # and not some other rows
+    exact = full + 0.01 * torch.randn(full.shape, generator=torch.Generator().manual_seed(2))
+    whole = dequantized(q.requantize_from_float(exact, scale="recalculate"))
+    alone = qr.grid_round_rows(q, exact[ROWS], None)
+    assert torch.equal(alone, whole[ROWS]) == qr.row_local(q)
+
+
+@pytest.mark.parametrize("layout", ["TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout"])
+def test_swizzled_layouts_read_any_rows_alone(layout):
+    """Rows of a layout whose block scales are stored swizzled (128-row tiles), read as a weight of
+    their own, are bit for bit those rows of the whole dequantization (any rows, any order, a tile's
+    partial tail); nvfp4's row bound from its scales is never below a row's largest value, and
+    close to it (the wrong answer, the per-tensor scale alone, is far)."""
+    q = _weight(layout)
+    assert qr.swizzled(q)
+    full = dequantized(q)
+    for rows in (ROWS, torch.tensor([299, 3, 150]), torch.arange(128, 300), torch.tensor([5])):
+        got = qr.dequantized_rows(q, rows)
+        assert torch.equal(got, full[rows]), rows
+    assert not torch.equal(qr.dequantized_rows(q, ROWS), full[(ROWS + 1) % full.shape[0]])
+    if layout == "TensorCoreNVFP4Layout":
+        bound, top = qr.row_bound(q), full.abs().amax(dim=1)
+        assert bool((bound >= top).all()) and float((bound / top).max()) < 2.0
