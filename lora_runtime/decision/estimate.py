@@ -16,9 +16,9 @@ Contract
   re-quantized at the scale the whole merge recalculates from the merged tensor's largest |value|.
   That value is found exactly without merging the whole: the sample, the rows with the largest stored
   values, and every element (per-tensor layouts, low-rank updates) or row elsewhere that a bound of
-  the update (and of the earlier merges' moves) lets reach it. Past SAMPLE_ELEMENTS such elements, or
-  a quarter of the rows, every row is held. With stochastic rounding the sample is one draw of the
-  merge's rounding, not the whole merge's own draw.
+  the update (and of the earlier merges' moves) lets reach it. Past SAMPLE_ELEMENTS such elements
+  (an eighth of the weight, if more), or a quarter of the rows, every row is held. With stochastic
+  rounding the sample is one draw of the merge's rounding, not the whole merge's own draw.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ MIN_SAMPLE_ROWS = 16
 # a quantized weight's sample grows by the rows that may hold its largest value; past this share of
 # its rows, every row is held (the sample would cost about as much as the whole)
 MAX_CANDIDATE_SHARE = 0.25
+SEARCH_SHARE = 8
 TOP_ROWS = 4
 REFINE_ROWS = 256
 # a grid step of at least this share of the top value (e5m2, mxfp8: 1/7) lets nearly any row reach the top
@@ -127,6 +128,9 @@ class _QuantRows:
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
+        # the elements the top's search may compute: a sample's worth, or an eighth of the weight (each
+        # costs a rank-long product per earlier merge: far less than holding every row, which replays them all)
+        self.search_limit = max(SAMPLE_ELEMENTS, self.q.numel() // SEARCH_SHARE)
         self._elementwise = qrows.elementwise(self.q)
         if self._elementwise:
             self._full, self.row_max = None, qrows.stored_row_absmax(self.q).cpu()
@@ -212,7 +216,8 @@ class _QuantRows:
     def _block_top(self, s, b: torch.Tensor, low: float) -> float | None:
         """The merged tensor's largest |value| after slot `s`'s update, given `low`, the largest the
         held rows reach: from the blocks elsewhere that may reach it (their values with the merges
-        so far replayed block by block); None when they are more than SAMPLE_ELEMENTS elements."""
+        so far replayed block by block); None when they are more than `search_limit` elements."""
+        limit = self.search_limit
         held = torch.zeros(self.row_max.numel(), dtype=torch.bool)
         held[self.sel] = True
         room = self.moved + b
@@ -220,14 +225,14 @@ class _QuantRows:
         if rows.numel() == 0:
             return low
         if self._elementwise:
-            found = qrows.elements_at_least(self.q, low - float(room[rows].max()), SAMPLE_ELEMENTS, rows)
+            found = qrows.elements_at_least(self.q, low - room[rows], limit, rows)
             if found is None:
                 return None
             r, c = found
         else:
             vals = self._base(rows)
             sub = vals.abs() >= (low - room[rows]).to(vals.device)[:, None]
-            if int(sub.sum()) > SAMPLE_ELEMENTS:
+            if int(sub.sum()) > limit:
                 return None
             i, c = torch.nonzero(sub, as_tuple=True)
             r, c = rows[i.cpu()], c.cpu()
@@ -235,7 +240,7 @@ class _QuantRows:
             return low
         per_row = self.q.shape[1] // self.block
         blocks = torch.unique(r * per_row + c // self.block)
-        if blocks.numel() * self.block > SAMPLE_ELEMENTS:  # as dear as a row sample: the caller takes rows
+        if blocks.numel() * self.block > limit:  # as dear as holding rows: the caller takes rows
             return None
         r = blocks // per_row
         c = (blocks % per_row)[:, None] * self.block + torch.arange(self.block)[None]

@@ -30,7 +30,6 @@ Contract
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -162,25 +161,22 @@ def stored_row_absmax(w) -> torch.Tensor:
 
 
 @torch.no_grad()
-def elements_at_least(w, t: float, limit: int, rows: torch.Tensor | None = None
+def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t`, among
-    `rows` (default: every row; only those are read); None when they are more than `limit`."""
+    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t` (a float,
+    or one per row of `rows`), among `rows` (default: every row; only those are read); None when
+    they are more than `limit`."""
     q, scale = w._qdata, float(w._params.scale)
     if rows is not None:
         q = q[rows.to(q.device)]
-    if q.dtype in _FP8_STEP:  # the smallest magnitude byte whose value reaches t
+    t = torch.as_tensor(t, dtype=torch.float32).reshape(-1, 1).to(q.device)
+    if q.dtype in _FP8_STEP:  # the smallest magnitude byte whose value reaches t (128: none)
         table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
-        table = torch.where(torch.isfinite(table), table, torch.inf)
-        byte = int(torch.searchsorted(table, torch.tensor([t], dtype=torch.float32)).item())
-        if byte >= 128:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        hit = (q.view(torch.uint8) & 0x7F) >= byte
-    else:
-        k = max(1, math.ceil(t / scale * (1 - 1e-6)))  # below the exact ceiling: never miss an element
-        if k > 128:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        hit = (q >= k) | (q <= -k) if k <= 127 else q == -128
+        table = torch.where(torch.isfinite(table), table, torch.inf).to(q.device)
+        hit = (q.view(torch.uint8) & 0x7F).to(torch.int16) >= torch.searchsorted(table, t).to(torch.int16)
+    else:  # |stored| at least t / scale, from just below the exact ceiling: never miss an element
+        k = torch.clamp(torch.ceil(t / scale * (1 - 1e-6)), min=1).clamp(max=1 << 14).to(torch.int16)
+        hit = q.to(torch.int16).abs() >= k
     if int(hit.sum()) > limit:
         return None
     r, cols = torch.nonzero(hit, as_tuple=True)

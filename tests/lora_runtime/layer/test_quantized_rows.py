@@ -62,6 +62,11 @@ def test_elementwise_layouts_read_rows_and_elements_from_their_bytes(layout):
     r2, c2 = qr.elements_at_least(q, t, limit=10_000, rows=some)
     keep = torch.isin(rows, some)
     assert torch.equal(r2, rows[keep]) and torch.equal(c2, cols[keep]) and 0 < r2.numel() < rows.numel()
+    # one threshold per row: each row's own elements at least its own threshold
+    ts = torch.linspace(0.5 * t, 1.5 * t, some.numel())
+    r3, c3 = qr.elements_at_least(q, ts, limit=10_000, rows=some)
+    want = torch.nonzero(full[some].abs() >= ts[:, None], as_tuple=True)
+    assert torch.equal(r3, some[want[0]]) and torch.equal(c3, want[1]) and r3.numel() != r2.numel()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[4:])
