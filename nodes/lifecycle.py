@@ -258,7 +258,9 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
                          host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules,
                          graphs_compiled=graphs, clip=report_mod.clip_lines(want.adapters),
-                         ran_check=first.findings)
+                         ran_check=first.findings,
+                         host_patched=report_mod.host_patched_entry(p.merge_refusals,
+                                                                    {pa.name: list(pa.layers) for pa in p.adapters}))
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))
