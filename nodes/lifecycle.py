@@ -33,7 +33,7 @@ from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
 from . import report as report_mod
-from .caches import ADAPTERS, decision_cache_for
+from .caches import ADAPTERS, decision_cache_for, share_decisions
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,19 @@ def register(patcher) -> None:
     host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper,
                       outer_sample_wrapper, prepare_sampling_wrapper)
     host.add_detach_callback(patcher, WRAPPER_KEY, on_detach)
+    host.add_deepclone_callback(patcher, WRAPPER_KEY, on_deepclone)
+
+
+def on_deepclone(patcher, clone) -> None:
+    """The host deep-cloned a MODEL of ours onto a freshly loaded copy of its model for another device
+    (multi-GPU). The clone already carries our intent, wrappers and callbacks (a clone's); its model
+    is remembered with its diffusion model (the host's key map) and shares the source's decisions."""
+    try:
+        source = patcher.get_model_object("diffusion_model")
+        target = host.diffusion_model(clone)
+    except AttributeError:
+        return
+    share_decisions(source, target)
 
 
 def last_report(patcher) -> dict | None:
@@ -125,7 +138,7 @@ def _wrappers(dm) -> list:
 
 def _plan(patcher, want):
     """The plan of `want` on `patcher`'s diffusion model (loads and matches the adapters; touches nothing)."""
-    dm = patcher.get_model_object("diffusion_model")
+    dm = host.diffusion_model(patcher)  # remembered with its host model: that model's key map places the keys
     p = plan_intent(dm, want, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
     p.requant_seed = host.requant_seed
