@@ -14,6 +14,8 @@ Contract
 - A sampling that ends normally keeps its adapters on the loaded model (`resident.held`); the
   host's unload, another MODEL's load on the same weights, a forward outside our samplings, an
   error, interrupt or out-of-memory take them off bit for bit; an error then propagates unchanged.
+- A multi-GPU deep clone (the host's ON_DEEPCLONE_MULTIGPU) keeps the intent and wrappers (a clone's) and
+  shares the source model's decisions; it samples what the source samples.
 - The report is stored on the patcher (`last_report`), logged, and sent to the frontend for the
   node that is executing (`host.send_report`).
 """
