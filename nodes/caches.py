@@ -65,6 +65,13 @@ ADAPTERS = AdapterFileCache()
 _DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def share_decisions(source, clone) -> None:
+    """Let the diffusion model `clone` (a fresh load of the same weights for another device) use the
+    decisions measured on `source`: their keys carry the content measured, so they hold for it too."""
+    if clone is not source:
+        _DECISIONS[clone] = decision_cache_for(source)
+
+
 def decision_cache_for(diffusion_model) -> DecisionCache:
     cache = _DECISIONS.get(diffusion_model)
     if cache is None:

@@ -14,6 +14,8 @@ Contract
 - A sampling that ends normally keeps its adapters on the loaded model (`resident.held`); the
   host's unload, another MODEL's load on the same weights, a forward outside our samplings, an
   error, interrupt or out-of-memory take them off bit for bit; an error then propagates unchanged.
+- A multi-GPU deep clone (the host's ON_DEEPCLONE_MULTIGPU) keeps the intent and wrappers (a clone's) and
+  shares the source model's decisions; it samples what the source samples.
 - The report is stored on the patcher (`last_report`), logged, and sent to the frontend for the
   node that is executing (`host.send_report`).
 """
@@ -33,7 +35,7 @@ from ..lora_runtime.layer import ran_guard
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
 from . import report as report_mod
-from .caches import ADAPTERS, decision_cache_for
+from .caches import ADAPTERS, decision_cache_for, share_decisions
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,19 @@ def register(patcher) -> None:
     host.add_wrappers(patcher, WRAPPER_KEY, sampler_sample_wrapper, apply_model_wrapper,
                       outer_sample_wrapper, prepare_sampling_wrapper)
     host.add_detach_callback(patcher, WRAPPER_KEY, on_detach)
+    host.add_deepclone_callback(patcher, WRAPPER_KEY, on_deepclone)
+
+
+def on_deepclone(patcher, clone) -> None:
+    """The host deep-cloned a MODEL of ours onto a freshly loaded copy of its model for another device
+    (multi-GPU). The clone already carries our intent, wrappers and callbacks (a clone's); its model
+    is remembered with its diffusion model (the host's key map) and shares the source's decisions."""
+    try:
+        source = patcher.get_model_object("diffusion_model")
+        target = host.diffusion_model(clone)
+    except AttributeError:
+        return
+    share_decisions(source, target)
 
 
 def last_report(patcher) -> dict | None:
@@ -125,7 +140,7 @@ def _wrappers(dm) -> list:
 
 def _plan(patcher, want):
     """The plan of `want` on `patcher`'s diffusion model (loads and matches the adapters; touches nothing)."""
-    dm = patcher.get_model_object("diffusion_model")
+    dm = host.diffusion_model(patcher)  # remembered with its host model: that model's key map places the keys
     p = plan_intent(dm, want, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
     p.requant_seed = host.requant_seed
@@ -258,7 +273,9 @@ def sampler_sample_wrapper(executor, *args, **kwargs):
     r = report_mod.build(applied_report if p.adapters else None, mode=want.mode.value, tier=want.tier.value,
                          host=host.NAME, sample_seconds=sample_seconds, steps=steps, schedules=schedules,
                          graphs_compiled=graphs, clip=report_mod.clip_lines(want.adapters),
-                         ran_check=first.findings)
+                         ran_check=first.findings,
+                         host_patched=report_mod.host_patched_entry(p.merge_refusals,
+                                                                    {pa.name: list(pa.layers) for pa in p.adapters}))
     r["total_seconds"] = round(time.perf_counter() - t0, 4)
     setattr(patcher, _REPORT_ATTR, r)
     log.info("%s", report_mod.text(r))

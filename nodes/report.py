@@ -16,10 +16,11 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "web" / "lora_report.sche
 
 def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample_seconds: float,
           steps: int, schedules=None, graphs_compiled: int = 0, clip: dict[str, str] | None = None,
-          ran_check: list[dict] | None = None) -> dict:
+          ran_check: list[dict] | None = None, host_patched: dict | None = None) -> dict:
     """The report of one run. ``clip``: planned adapter name -> what a model + CLIP loader did
     with that file's text-encoder layers (shown instead of "not applied: this node patches the
-    model only")."""
+    model only"). ``host_patched`` (`host_patched_entry`): the adapted layers whose weight the host
+    patches itself beside ours, counted, per adapter too."""
     d = report.to_dict() if report is not None else {"decision": None, "coverage": [], "adapters": [],
                                                       "fusions": [], "patch_seconds": 0.0, "restore_bytes": 0}
     coverage = {c["adapter"]: c for c in d["coverage"]}
@@ -32,6 +33,8 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
             entry["decision"] = per_adapter[a["name"]]
         if clip and clip.get(a["name"]):
             entry["clip"] = clip[a["name"]]
+        if host_patched and host_patched["per_adapter"].get(a["name"]):
+            entry["host_patched"] = host_patched["per_adapter"][a["name"]]
         if schedules is not None and a["name"] in schedules.entries:  # what the model calls really used
             entry["schedule_applied"] = schedules.applied(a["name"])
         adapters.append(entry)
@@ -42,6 +45,8 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
     return {
         **({"compile": compiled} if compiled else {}),
         **({"ran_check": list(ran_check)} if ran_check else {}),
+        **({"host_patched": {k: v for k, v in host_patched.items() if k != "per_adapter"}}
+           if host_patched and host_patched["layers"] else {}),
         "host": host,
         "mode_requested": mode,
         "tier": tier,
@@ -57,6 +62,23 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         "sample_seconds": round(sample_seconds, 4),
         "seconds_per_step": round(sample_seconds / max(1, steps), 4),
     }
+
+
+def host_patched_entry(refusals: dict[str, str], adapted: dict[str, list[str]]) -> dict:
+    """The adapted layers that carry a host patch beside ours: ``refusals`` (layer -> why the host
+    keeps it from a merge: it patches that weight itself), ``adapted`` (planned adapter name -> its
+    layers). Returns {"layers": n, "examples": the first few, "why": ..., "per_adapter": {name: k}}."""
+    mine = sorted({layer for layers in adapted.values() for layer in layers if layer in refusals})
+    return {"layers": len(mine), "examples": mine[:4], "why": refusals[mine[0]] if mine else "",
+            "per_adapter": {name: sum(1 for layer in layers if layer in refusals) for name, layers in adapted.items()}}
+
+
+def host_patched_line(hp: dict) -> str:
+    """One line: how many adapted layers carry a ComfyUI patch beside ours, and which."""
+    n, ex = hp["layers"], hp.get("examples") or []
+    names = ", ".join(ex) + (f" and {n - len(ex)} more" if n > len(ex) else "")
+    return (f"  {n} adapted layer{'s' if n != 1 else ''} carr{'y' if n != 1 else 'ies'} a ComfyUI patch beside ours "
+            f"({names}): ComfyUI applies its patch to the weight, ours stays dynamic on top")
 
 
 def clip_lines(adapters) -> dict[str, str]:
@@ -80,6 +102,8 @@ def text(r: dict) -> str:
     ]
     if dec.get("kept_dynamic"):
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
+    if (r.get("host_patched") or {}).get("layers"):
+        lines.append(host_patched_line(r["host_patched"]))
     for a in r["adapters"]:  # as on the node: the layer count and the decision first, then the file
         c = a.get("coverage") or {}
         ad = a.get("decision") or {}

@@ -360,6 +360,20 @@ export const formatRanCheck = safe((findings) => {
   return { text: (level === "warn" ? "⚠ " : "") + parts.join(" · "), level, title: title.join("\n") };
 }, null);
 
+/**
+ * The adapted layers that carry a ComfyUI patch beside ours (`host_patched`: counted, the first few
+ * named); null when none.
+ */
+export const formatHostPatched = safe((hp) => {
+  if (!isObj(hp)) return null;
+  const n = num(hp.layers);
+  if (!n) return null;
+  const examples = list(hp.examples).map((x) => str(x)).filter(Boolean);
+  const title = [str(hp.why), ...examples.map((x) => `  • ${x}`), n > examples.length ? `  … and ${n - examples.length} more` : ""]
+    .filter(Boolean).join("\n");
+  return { text: `${n} layer${n === 1 ? "" : "s"} with a ComfyUI patch beside ours (kept dynamic)`, level: "info", title };
+}, null);
+
 /** Patch time and seconds per step; null when the report has no timings. */
 export const formatTimings = safe((report) => {
   const r = isObj(report) ? report : {};
@@ -493,6 +507,9 @@ export const formatReport = safe(
         title: "Quality tier and merge mode the sampler ran with.",
       });
     }
+
+    const hostPatched = formatHostPatched(report.host_patched);
+    if (hostPatched) out.push({ key: "host_patched", ...hostPatched });
 
     const ranCheck = formatRanCheck(report.ran_check);
     if (ranCheck) out.push({ key: "ran_check", ...ranCheck });

@@ -18,6 +18,8 @@ functions, so node code never cares which host runs it:
   wrapper API; only the hook names come from the host;
 - `add_detach_callback(model, key, fn)`: ``fn(patcher, unpatch_all)`` when the host detaches that
   loaded MODEL (an unload, or a load of it or of another clone of its base); clones inherit it;
+- `add_deepclone_callback(model, key, fn)`: ``fn(patcher, clone)`` when the host deep-clones that MODEL
+  onto a fresh copy of its model for another device (multi-GPU); nothing on a host without it;
 - `requant_seed(layer)`: the host's stochastic-rounding seed for a merge into a quantized weight
   (0: round to nearest);
 - `send_report(report)`: a runtime report for the node that is executing (the web
@@ -39,12 +41,12 @@ def _real_comfyui_present() -> bool:
 REAL_COMFYUI = _real_comfyui_present()
 
 if REAL_COMFYUI:
-    from .comfy_host import (APPLY_MODEL, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .comfy_host import (APPLY_MODEL, ON_DEEPCLONE_MULTIGPU, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                              apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                              requant_seed, scheduler_names, send_report)
     NAME = "comfyui"
 else:
-    from .bundled_host import (APPLY_MODEL, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
+    from .bundled_host import (APPLY_MODEL, ON_DEEPCLONE_MULTIGPU, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE, InterruptProcessingException,  # noqa: F401
                                apply_clip_lora, diffusion_model, lora_names, resolve_lora, sample, sampler_names,
                                requant_seed, scheduler_names, send_report)
     NAME = "bundled"
@@ -69,3 +71,10 @@ def add_detach_callback(model, key: str, fn) -> None:
     """Register `fn(patcher, unpatch_all)` on the patcher's ON_DETACH callbacks under `key`, once."""
     if not model.get_callbacks(ON_DETACH, key):
         model.add_callback_with_key(ON_DETACH, key, fn)
+
+
+def add_deepclone_callback(model, key: str, fn) -> None:
+    """Register `fn(patcher, clone)` on the patcher's ON_DEEPCLONE_MULTIGPU callbacks under `key`, once
+    (a host without multi-GPU deep clones: nothing)."""
+    if ON_DEEPCLONE_MULTIGPU is not None and not model.get_callbacks(ON_DEEPCLONE_MULTIGPU, key):
+        model.add_callback_with_key(ON_DEEPCLONE_MULTIGPU, key, fn)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ...standalone.host import folder_paths, progress
-from ...standalone.host.model_patcher import APPLY_MODEL, ON_DETACH, OUTER_SAMPLE, PREPARE_SAMPLING, SAMPLER_SAMPLE  # noqa: F401
+from ...standalone.host.model_patcher import (APPLY_MODEL, ON_DEEPCLONE_MULTIGPU, ON_DETACH, OUTER_SAMPLE,  # noqa: F401
+                                              PREPARE_SAMPLING, SAMPLER_SAMPLE)
 from ...standalone.host.core_nodes import _sampler_names, _scheduler_names, sample_with_progress
 from ...standalone.host.progress import InterruptProcessingException  # noqa: F401
 

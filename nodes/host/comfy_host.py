@@ -134,6 +134,9 @@ APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
 # ModelPatcher.detach(unpatch_all) callback: an unload (True), or load_models_gpu detaching a loaded
 # clone of a base before it loads that base's patcher again or another clone of it (False)
 ON_DETACH = comfy.patcher_extension.CallbacksMP.ON_DETACH
+# ModelPatcher.deepclone_multigpu(new_load_device) callback fn(patcher, clone): core's multi-GPU nodes build
+# a clone on a freshly loaded copy of the model per extra device; None on a ComfyUI without it (0.3.64)
+ON_DEEPCLONE_MULTIGPU = getattr(comfy.patcher_extension.CallbacksMP, "ON_DEEPCLONE_MULTIGPU", None)
 
 
 REPORT_EVENT = "lora_runtime.report"

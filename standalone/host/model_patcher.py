@@ -33,6 +33,9 @@ OUTER_SAMPLE = "outer_sample"      # comfy.patcher_extension.WrappersMP.OUTER_SA
 PREPARE_SAMPLING = "prepare_sampling"  # comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING (model load)
 APPLY_MODEL = "apply_model"        # comfy.patcher_extension.WrappersMP.APPLY_MODEL (once per model call)
 ON_DETACH = "on_detach_after"      # comfy.patcher_extension.CallbacksMP.ON_DETACH: fn(patcher, unpatch_all)
+# comfy.patcher_extension.CallbacksMP.ON_DEEPCLONE_MULTIGPU: fn(patcher, clone); the bundled host has one device
+# and never deep-clones, so these callbacks are kept (clones inherit them) but never run
+ON_DEEPCLONE_MULTIGPU = "on_deepclone_multigpu"
 
 
 class WrapperExecutor:

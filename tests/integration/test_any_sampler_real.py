@@ -15,8 +15,10 @@ samplers so that no sampler output comes from ComfyUI's cache while the model ch
    merge. Also the repo's embedded_style workflow with the stock samplers beside its own.
 2. ComfyUI's LoraLoaderModelOnly before our Load LoRA Adapter, between it and Merge
    Mode, and after Merge Mode: all give ComfyUI's own composition (its LoRA + ours), ours
-   still changes the output, and the weights after unload_all_models hash like a fresh
-   load, with the same state_dict keys.
+   still changes the output, the report counts the layers that carry ComfyUI's patch beside
+   ours (host_patched: 20 or 5), and the weights after unload_all_models hash like a fresh
+   load, with the same state_dict keys. (Core's V3 stack node, LoadLoraModel, is not in
+   ComfyUI 0.33: its LoraLoaderModelOnly is the ComfyUI side here.)
 3. Two branches of one UNETLoader with different adapters (one also with ComfyUI's LoRA),
    two KSamplers, one prompt: each equals its branch run alone, bit for bit; a third,
    bare branch equals the no-adapter latent.
@@ -220,6 +222,10 @@ def test_comfyui_lora_before_between_and_after_ours(assets, cond_class, comfy_re
         assert sent["node"] == "6", sent
         # every layer ComfyUI patches itself stays dynamic; the others follow the mode
         overlap = N_LAYERS if comfy_lora == LORA_B else 5
+        # the report counts the layers that carry ComfyUI's patch beside ours, in every mode and position
+        hp = sent["report"].get("host_patched") or {}
+        assert hp.get("layers") == overlap and len(hp["examples"]) == min(4, overlap), (what, hp)
+        assert sent["report"]["adapters"][0].get("host_patched") == overlap, (what, sent["report"]["adapters"])
         if mode == "merge" and overlap < N_LAYERS:
             assert dec["chosen"] == "merge" and dec["kept_dynamic"] == overlap, (what, dec)
         else:  # dynamic, or merge with every layer patched by ComfyUI too
@@ -227,6 +233,44 @@ def test_comfyui_lora_before_between_and_after_ours(assets, cond_class, comfy_re
     for position in POSITIONS[1:]:  # both are additive deltas: the order does not matter
         assert_psnr(out[position], out[POSITIONS[0]], f"{mode}: {position} vs {POSITIONS[0]}")
     assert_weights_fresh(assets, fresh, f"{mode}, ComfyUI LoRA {comfy_lora}")
+
+
+BYPASS_MODEL = "bypass_copy_" + MODEL
+
+
+def bypass_reference_prompt(comfy, cond_class, comfy_lora):
+    """ComfyUI alone: its LoRA merged (LoraLoaderModelOnly), then LORA_A through its bypass loader (an
+    unmerged LoRA added to each layer's output, the ops of our dynamic mode). On a copy of the model
+    file (a model object of its own): ComfyUI's bypass leaves an instance ``forward`` on every layer it
+    ejected from, which the weight-state checks of the shared model would count."""
+    if not (comfy.diffusion_models_dir / BYPASS_MODEL).exists():
+        shutil.copy(comfy.diffusion_models_dir / MODEL, comfy.diffusion_models_dir / BYPASS_MODEL)
+    p = Prompt(cond_class)
+    p.p["1"]["inputs"]["unet_name"] = BYPASS_MODEL
+    m = p.comfy_lora("30", ["1", 0], comfy_lora)
+    m = p.node("31", "LoraLoaderBypassModelOnly", model=m, lora_name=LORA_A, strength_model=1.0)
+    p.ksampler("6", m)
+    return p
+
+
+@pytest.mark.parametrize("comfy_lora", [LORA_B, LORA_PART], ids=["comfy_lora_all_layers", "comfy_lora_5_layers"])
+def test_dynamic_beside_comfyuis_lora_is_comfyuis_own_bypass_result(assets, cond_class, object_info, comfy_refs,
+                                                                     fresh, comfy_lora):
+    """Both orders on the same model, dynamic mode: ComfyUI's LoRA + ours equals bit for bit ComfyUI's
+    LoRA + its own bypass loader with our file (ComfyUI's result for both parts), not its LoRA alone."""
+    if "LoraLoaderBypassModelOnly" not in object_info:
+        pytest.skip("this ComfyUI has no LoraLoaderBypassModelOnly (0.3.64)")
+    expected = run(assets, bypass_reference_prompt(assets, cond_class, comfy_lora))[1]["6"]
+    assert_changed(expected, comfy_refs[(comfy_lora,)], f"ComfyUI's bypass LoRA on top of {comfy_lora}")
+    for position in ("before_adapter", "after_merge_mode"):
+        p = chained_prompt(cond_class, position, comfy_lora, "dynamic")
+        p.node("21", "LoraRuntimeQualityTier", model=p.p["6"]["inputs"]["model"], tier="exact")
+        p.p["6"]["inputs"]["model"] = ["21", 0]
+        rec, lat = run(assets, p)
+        assert_bitwise(lat["6"], expected, f"{comfy_lora} {position}: ours dynamic vs ComfyUI's LoRA + bypass")
+        (sent,) = reports_sent(rec)
+        assert sent["report"]["host_patched"]["layers"] == (N_LAYERS if comfy_lora == LORA_B else 5), sent
+    assert_weights_fresh(assets, fresh, f"dynamic beside {comfy_lora}")
 
 
 # ---------------------------------------------------------------------------

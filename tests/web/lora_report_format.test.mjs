@@ -323,3 +323,14 @@ test("ran check: layers applied at cast time (info) and layers that did not run 
   assert.equal(fmt.formatRanCheck([]), null);
   assert.equal(fmt.formatRanCheck(undefined), null);
 });
+
+test("host_patched: the layers with a ComfyUI patch beside ours, counted, as one badge after the settings", () => {
+  const hp = { layers: 6, examples: ["blocks.0.ffn.0", "blocks.1.ffn.0"], why: "ComfyUI patches this weight itself" };
+  const item = fmt.formatHostPatched(hp);
+  assert.equal(item.text, "6 layers with a ComfyUI patch beside ours (kept dynamic)");
+  assert.match(item.title, /ComfyUI patches this weight itself\n  • blocks\.0\.ffn\.0\n  • blocks\.1\.ffn\.0\n  … and 4 more/);
+  assert.equal(fmt.formatHostPatched(undefined), null);
+  assert.equal(fmt.formatHostPatched({ layers: 0 }), null);
+  const keys = fmt.formatReport({ ...fullReport(), host_patched: hp }).map((i) => i.key);
+  assert.equal(keys.indexOf("host_patched"), keys.indexOf("settings") + 1);
+});

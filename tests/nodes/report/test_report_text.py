@@ -42,3 +42,17 @@ def test_fused_calls_are_named_by_the_backend_they_ran():
     assert "  fused calls by backend: triton 7, cublaslt 3, delta_first 2" in lines
     r["fusions"]["sites"] = [{"site": "s", "fusions": ["x"]}]  # an older report: no per-backend counts
     assert not any("by backend" in ln for ln in report.text(r).splitlines())
+
+
+def test_layers_with_a_comfyui_patch_beside_ours_are_counted_and_named():
+    from comfyui_lora_runtime.nodes import lifecycle
+    refusals = {f"blocks.{i}.ffn.0": lifecycle.COMFY_PATCHED for i in range(6)}
+    hp = report.host_patched_entry(refusals, {"a.safetensors": [f"blocks.{i}.ffn.0" for i in range(8)],
+                                              "b.safetensors": ["blocks.0.ffn.0", "blocks.7.ffn.0"]})
+    assert hp["layers"] == 6 and hp["per_adapter"] == {"a.safetensors": 6, "b.safetensors": 1}
+    a = {"name": "a.safetensors", "strength": 1.0, "coverage": {"matched": 8, "file_layers": 8}}
+    r = {**_report([a], []), "host_patched": {k: v for k, v in hp.items() if k != "per_adapter"}}
+    assert ("  6 adapted layers carry a ComfyUI patch beside ours (blocks.0.ffn.0, blocks.1.ffn.0, blocks.2.ffn.0, "
+            "blocks.3.ffn.0 and 2 more): ComfyUI applies its patch to the weight, ours stays dynamic on top"
+            ) in report.text(r).splitlines()
+    assert report.host_patched_entry({}, {"a.safetensors": ["x"]})["layers"] == 0
