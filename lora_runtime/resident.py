@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .apply import ApplyReport, LoraInjector, Plan, running
-from .decision.policy import DecisionCache
+from .decision.cache import DecisionCache
 from .errors import LoraRuntimeError, RestoreError
 from .layer.base_weight import weight_identity
 from .layer.shared_shrink import group_siblings

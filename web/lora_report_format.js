@@ -229,6 +229,8 @@ export const formatDecision = safe(
       requested === "auto" && threshold !== null ? `auto keeps adapters dynamic above ${threshold}` : "",
       layers !== null ? `${layers} adapted layers` : "",
       decision.cached === true ? "measurement reused from the cache" : "",
+      num(decision.shared_cache) ? `decision from the shared cache for ${decision.shared_cache} adapter(s)` : "",
+      ...(Array.isArray(decision.cache_notes) ? decision.cache_notes.filter((n) => typeof n === "string") : []),
     ].filter(Boolean).join("\n");
     return { text, level: "ok", title };
   },
