@@ -101,7 +101,7 @@ class DiskDecisionStore:
         try:
             with open(path, "rb") as f:
                 raw = f.read(MAX_ENTRY_BYTES + 1)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (a write says what is wrong with the folder)
             return None, ""
         except OSError as e:
             return None, self._note(name, f"cannot be read ({e.strerror or e})")

@@ -103,8 +103,7 @@ class MergeDecision:
         shared = sum(a.shared for a in self.adapters)
         if shared:
             d["shared_cache"] = shared
-        if self.measured or self.cache_notes:
-            d["measured"] = self.measured
+        d["measured"] = self.measured
         if self.cache_notes:
             d["cache_notes"] = list(self.cache_notes)
         return d
