@@ -1,0 +1,98 @@
+"""Two real ComfyUI workers share the ``auto`` merge decision through a folder (CPU).
+
+Two ComfyUI servers on 127.0.0.1 (their own base directories, models and adapter files: the
+same bytes) start with ``LORA_RUNTIME_DECISION_CACHE_DIR`` naming one folder, as workers
+behind one queue that share a disk. The same prompt (the reference tiny Wan, Load LoRA
+Adapter 0.8 -> Merge Mode ``auto`` -> Quality Tier ``exact`` -> KSampler -> SaveLatent, the
+LoRA Runtime Report, and a KSampler on the bare model: the wrong answer) runs on the first
+server, which measures the adapter and writes the entry, then on the second, whose first
+prompt measures nothing (``decision.measured`` 0, ``shared_cache`` 1 in its report) and
+saves the same latent bit for bit. Then the entry is truncated, the second server drops its
+models and cached outputs (``/free``), and the prompt runs again: the entry is ignored, the
+adapter measured again, the report says so, and the latent is still the same; the entry is
+whole again afterwards.
+
+Printed, not asserted: each server's first-use seconds (the prompt's wall time, and the
+report's patch seconds, which hold the measurement).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from testkit.comfyui.server import ComfyServer, comfyui_dir, comfyui_python, free_port, prepare_base, skip_reason
+from testkit.lora_assets import PromptGraph, install_model_and_lora
+
+ENV = "LORA_RUNTIME_DECISION_CACHE_DIR"
+LORA = "it_shared_decision.safetensors"
+SETTINGS = {"seed": 7, "steps": 3, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple"}
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, reference):
+    comfy_dir = comfyui_dir()
+    if comfy_dir is None:
+        pytest.skip(skip_reason())
+    folder = tmp_path_factory.mktemp("shared-decisions")
+    servers = []
+    try:
+        for i in range(2):
+            base = prepare_base(tmp_path_factory.mktemp(f"comfyui-worker{i}"), reference)
+            s = ComfyServer(comfy_dir, comfyui_python(comfy_dir), base, free_port(), env={ENV: str(folder)})
+            servers.append(s)
+            install_model_and_lora(s, reference, LORA, seed=3601)  # the same seed: the same bytes
+            s.start()
+        yield folder, servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _prompt(comfy, tag: str) -> PromptGraph:
+    g = PromptGraph(comfy.helper_cond_class, "shared_decisions", tag, SETTINGS, 0.8)
+    g.ours("8", LORA, "auto", tier="exact")
+    g.ksampler("9", ["1", 0])  # the bare model
+    return g
+
+
+def _run(comfy, tag: str):
+    t0 = time.perf_counter()
+    lat, reps = _prompt(comfy, tag).run(comfy, require_ran=True)
+    return lat, reps["8"], time.perf_counter() - t0
+
+
+def test_second_worker_measures_nothing_and_matches_bit_for_bit(workers):
+    folder, (first, second) = workers
+    assert first.loras_dir.joinpath(LORA).read_bytes() == second.loras_dir.joinpath(LORA).read_bytes()
+
+    lat1, rep1, wall1 = _run(first, "w1")
+    dec1 = rep1["decision"]
+    assert dec1["requested"] == "auto" and dec1["measured"] == 1 and not dec1.get("shared_cache"), dec1
+    entries = sorted(p.name for p in folder.iterdir())
+    assert len(entries) == 1 and entries[0].endswith(".json"), entries
+    assert not lat1["8"].equal(lat1["9"]), "the adapter changed nothing: the comparison below would prove nothing"
+
+    lat2, rep2, wall2 = _run(second, "w2")
+    dec2 = rep2["decision"]
+    assert dec2["measured"] == 0 and dec2["shared_cache"] == 1 and dec2["cached"], dec2
+    assert dec2["adapters"][0]["shared_cache"] is True
+    assert (dec2["chosen"], dec2["share_lost"]) == (dec1["chosen"], dec1["share_lost"])
+    assert lat2["8"].equal(lat1["8"]), "the second worker's latent differs from the first's"
+    assert lat2["9"].equal(lat1["9"])
+    print(f"\nfirst use, worker 1 (measured): prompt {wall1:.2f} s, patch {rep1['patch_seconds']:.3f} s; "
+          f"worker 2 (shared cache): prompt {wall2:.2f} s, patch {rep2['patch_seconds']:.3f} s")
+
+    # a truncated entry: ignored, measured again, said in the report; the same latent
+    (entry,) = folder.iterdir()
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[: len(whole) // 2])
+    second.free()
+    lat3, rep3, _ = _run(second, "w3")
+    dec3 = rep3["decision"]
+    assert dec3["measured"] == 1 and not dec3.get("shared_cache"), dec3
+    (note,) = dec3["cache_notes"]
+    assert entry.name in note and "truncated" in note and "measured again" in note, note
+    assert (dec3["chosen"], dec3["share_lost"]) == (dec1["chosen"], dec1["share_lost"])
+    assert lat3["8"].equal(lat1["8"])
+    assert json.loads(entry.read_bytes())["value"] == dec1["share_lost"]  # written whole again
