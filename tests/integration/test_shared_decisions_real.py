@@ -12,6 +12,11 @@ models and cached outputs (``/free``), and the prompt runs again: the entry is i
 adapter measured again, the report says so, and the latent is still the same; the entry is
 whole again afterwards.
 
+On the first server, the loader's identity follows the file: the identical prompt again comes
+from ComfyUI's cache (the loader does not run), the file rewritten under its name runs the
+loader and the sampler again (another latent, measured anew), and the first file's bytes
+under a new name run the loader but measure nothing.
+
 Printed, not asserted: each server's first-use seconds (the prompt's wall time, and the
 report's patch seconds, which hold the measurement).
 """
@@ -22,7 +27,8 @@ import time
 
 import pytest
 from testkit.comfyui.server import ComfyServer, comfyui_dir, comfyui_python, free_port, prepare_base, skip_reason
-from testkit.lora_assets import PromptGraph, install_model_and_lora
+from testkit.comfyui.prompts import latent_of
+from testkit.lora_assets import PromptGraph, install_model_and_lora, write_kohya_lora
 
 ENV = "LORA_RUNTIME_DECISION_CACHE_DIR"
 LORA = "it_shared_decision.safetensors"
@@ -96,3 +102,30 @@ def test_second_worker_measures_nothing_and_matches_bit_for_bit(workers):
     assert (dec3["chosen"], dec3["share_lost"]) == (dec1["chosen"], dec1["share_lost"])
     assert lat3["8"].equal(lat1["8"])
     assert json.loads(entry.read_bytes())["value"] == dec1["share_lost"]  # written whole again
+
+
+def _record(comfy, lora: str, tag: str):
+    """(run record, the adapter sampler's latent, its report) of the prompt with `lora`."""
+    g = PromptGraph(comfy.helper_cond_class, "shared_decisions", tag, SETTINGS, 0.8)
+    g.ours("8", lora, "auto", tier="exact")
+    rec = comfy.run(g.p)
+    (rep,) = rec["history"]["outputs"]["R8"]["lora_report"]
+    return rec, latent_of(comfy, rec, "s8"), rep
+
+
+def test_the_loaders_identity_follows_the_file(workers):
+    _, (first, _) = workers
+    original = first.loras_dir.joinpath(LORA).read_bytes()
+    rec1, lat1, _ = _record(first, LORA, "rw")
+    rec2, lat2, _ = _record(first, LORA, "rw")  # the identical prompt: from ComfyUI's cache
+    assert "A8" in rec2["cached"] and "A8" not in rec2["executing"] and "8" not in rec2["executing"], rec2["cached"]
+    assert lat2.equal(lat1)
+    write_kohya_lora(first.loras_dir / LORA, seed=3602, rank=4, alpha=4)  # rewritten under its name
+    assert first.loras_dir.joinpath(LORA).read_bytes() != original
+    rec3, lat3, rep3 = _record(first, LORA, "rw")
+    assert "A8" in rec3["executing"] and "8" in rec3["executing"], rec3["cached"]
+    assert not lat3.equal(lat1) and rep3["decision"]["measured"] == 1
+    first.loras_dir.joinpath("renamed_copy.safetensors").write_bytes(original)  # the first bytes, a new name
+    rec4, lat4, rep4 = _record(first, "renamed_copy.safetensors", "rw")
+    assert "A8" in rec4["executing"] and rep4["decision"]["measured"] == 0, rep4["decision"]
+    assert lat4.equal(lat1)
