@@ -105,21 +105,21 @@ class DiskDecisionStore:
             return None, ""
         except OSError as e:
             return None, self._note(name, f"cannot be read ({e.strerror or e})")
-        why = self._problem(raw, table, canonical(key))
-        if why:
-            return None, self._note(name, why)
-        self.hits += 1
-        return json.loads(raw)["value"], ""
-
-    @staticmethod
-    def _problem(raw: bytes, table: str, key_json: str) -> str:
-        """Why `raw` is not a usable entry for (table, key), or ''."""
         if len(raw) > MAX_ENTRY_BYTES:
-            return "is larger than any entry this runtime writes"
+            return None, self._note(name, "is larger than any entry this runtime writes")
         try:
             e = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
-            return "is not complete JSON (truncated or corrupt)"
+            return None, self._note(name, "is not complete JSON (truncated or corrupt)")
+        why = self._problem(e, table, canonical(key))
+        if why:
+            return None, self._note(name, why)
+        self.hits += 1
+        return e["value"], ""
+
+    @staticmethod
+    def _problem(e, table: str, key_json: str) -> str:
+        """Why the parsed entry `e` is not usable for (table, key), or ''."""
         if not isinstance(e, dict):
             return "is not a JSON object"
         if e.get("format") != FORMAT:

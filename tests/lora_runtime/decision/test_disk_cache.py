@@ -136,9 +136,13 @@ def _garbage(path):
     path.write_bytes(b"\x80\x03}q\x00.")  # a pickle's first bytes: never unpickled
 
 
+def _not_an_object(path):
+    path.write_bytes(b"null")
+
+
 @pytest.mark.parametrize("damage, why", [
     (_truncate, "not complete JSON"), (_flip_value, "checksum"), (_other_version, "format version"),
-    (_garbage, "not complete JSON")])
+    (_garbage, "not complete JSON"), (_not_an_object, "not a JSON object")])
 def test_a_damaged_entry_is_measured_again_and_reported(files, tmp_path, damage, why):
     folder = tmp_path / "shared"
     d1, _ = _auto(folder, files["distilled"])
