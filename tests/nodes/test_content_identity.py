@@ -76,8 +76,11 @@ def test_same_bytes_renamed_are_not_measured_a_rewrite_is(folders, base, monkeyp
     monkeypatch.delenv(DECISION_CACHE_DIR_ENV, raising=False)
     loras = folders.models_dir / "loras"
     cache = decision_cache_for(base.get_model_object("diffusion_model"))
-    y1, r1 = _sample(_auto(base, "style.safetensors"))
+    chain = _auto(base, "style.safetensors")
+    y1, r1 = _sample(chain)
     assert cache.measurements == 1 and r1["decision"]["measured"] == 1
+    y1b, r1b = _sample(chain)  # the adapters stayed on: resumed, nothing measured for this sampling
+    assert r1b.get("adapters_kept") and r1b["decision"]["measured"] == 0 and y1b.equal(y1)
     shutil.copyfile(loras / "style.safetensors", loras / "renamed.safetensors")
     y2, r2 = _sample(_auto(base, "renamed.safetensors"))
     assert cache.measurements == 1 and r2["decision"]["measured"] == 0 and r2["decision"]["cached"]
