@@ -14,7 +14,8 @@ from .resident import applied
 from .errors import (AdapterFileError, AdapterFormatError, AdapterMatchError, ConfigError, LoraRuntimeError,
                      MergeRefusedError, NonFiniteMergeError, RestoreError)
 from .intent import AdapterSpec, Intent
-from .decision.policy import DecisionCache, MergeDecision, decide, measure_share_lost
+from .decision.cache import DecisionCache
+from .decision.policy import MergeDecision, decide, measure_share_lost
 from .layer.runtime_context import RuntimeContext, current_context, runtime_context
 from .layer.schedule import (Branch, SamplingSchedules, Schedule, model_call_context, parse_branch, parse_schedule,
                        sampling_schedules)

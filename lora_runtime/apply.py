@@ -29,7 +29,8 @@ from .files.match import log_report
 from .errors import LoraRuntimeError, NonFiniteMergeError
 from .files.param_deltas import ParamDelta
 from .param_patch import ParamPatch
-from .decision.policy import DecisionCache, MergeDecision, decide
+from .decision.cache import DecisionCache
+from .decision.policy import MergeDecision, decide
 from .layer.runtime_context import runtime_context
 from .intent import AdapterSpec, Intent
 from .layer.schedule import Branch

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .apply import ApplyReport, LoraInjector, Plan, running
-from .decision.policy import DecisionCache
+from .decision.cache import DecisionCache
 from .errors import LoraRuntimeError, RestoreError
 from .layer.base_weight import weight_identity
 from .layer.shared_shrink import group_siblings
@@ -151,7 +151,10 @@ def _resume(state: KeptState) -> ApplyReport:
     inj = state.injector
     inj.merge_params(inj.param_patches(state.plan))
     inj.sibling_groups = group_siblings(inj.wrappers, enabled=inj.share_shrink)  # the trace plans stay valid
-    return replace(state.report, patch_seconds=time.perf_counter() - t0, kept=True, mounted=None, fusions=[])
+    d = state.report.decision  # the decision that was kept: nothing measured (or noted) for this sampling
+    d = replace(d, measured=0, cache_notes=[]) if d is not None else None
+    return replace(state.report, decision=d, patch_seconds=time.perf_counter() - t0, kept=True, mounted=None,
+                   fusions=[])
 
 
 def _set_aside(state: KeptState) -> None:

@@ -26,6 +26,10 @@ AUTO_MERGE_MAX_ROUNDING_LOSS = 0.5
 
 STRENGTH_MIN, STRENGTH_MAX = -10.0, 10.0
 
+#: The environment variable naming a folder where merge decisions are kept on disk, shared by
+#: every process that names the same folder (`decision.disk_cache`). Unset: in memory only.
+DECISION_CACHE_DIR_ENV = "LORA_RUNTIME_DECISION_CACHE_DIR"
+
 
 class Tier(str, enum.Enum):
     EXACT = "exact"

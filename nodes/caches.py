@@ -4,7 +4,9 @@ Adapter files are keyed by (path, size, mtime), so an edited file is re-read, an
 content hash, so a sampler gets exactly the content its loader node read: while that
 adapter is cached the file is not touched again (it may have been rewritten, truncated
 or deleted since). At most `MAX_ADAPTERS` are kept. Decision caches are per base model
-(weakly keyed by the diffusion model module), so two models never share a measurement.
+(weakly keyed by the diffusion model module), so two models never share a measurement; each
+has the disk level ``LORA_RUNTIME_DECISION_CACHE_DIR`` names (read when the cache is made),
+shared with every process that names the same folder.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import weakref
 from collections import OrderedDict
 
 from ..lora_runtime import DecisionCache, LoraAdapter, load_adapter
+from ..lora_runtime.decision import disk_cache
 from ..lora_runtime.errors import AdapterFileError
 
 MAX_ADAPTERS = 16
@@ -75,5 +78,5 @@ def share_decisions(source, clone) -> None:
 def decision_cache_for(diffusion_model) -> DecisionCache:
     cache = _DECISIONS.get(diffusion_model)
     if cache is None:
-        cache = _DECISIONS[diffusion_model] = DecisionCache()
+        cache = _DECISIONS[diffusion_model] = DecisionCache(disk=disk_cache.from_env())
     return cache

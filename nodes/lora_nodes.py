@@ -16,6 +16,7 @@ import time
 
 from . import host
 from ..lora_runtime import LoraRuntimeError
+from ..lora_runtime.files.content_digest import file_digest
 from ..lora_runtime.files.header_check import check_adapter_file
 from ..lora_runtime.targets import targets_of
 from ..lora_runtime.block_filter import parse_blocks
@@ -90,6 +91,13 @@ class LoadLoraAdapter:
         # does not hand a linked input (the MODEL) to validation.
         return check_lora_name(lora_name)
 
+    @classmethod
+    def IS_CHANGED(cls, lora_name, **_):
+        # ComfyUI keys this node's cached output by its inputs and this answer: the file's content
+        # digest, so a file rewritten under the same name runs the node again. Hashed once per
+        # (path, size, mtime) in this process, not on every queue.
+        return lora_fingerprint(lora_name)
+
     def load(self, model, lora_name, strength, unmatched_keys=UNMATCHED_DEFAULT, strength_schedule="",
              branch=BRANCH_CHOICES[0], blocks="", strength_list=None):
         if unmatched_keys not in UNMATCHED_CHOICES:
@@ -116,6 +124,15 @@ class LoadLoraAdapter:
             shown["blocks"] = t.blocks
         out = lifecycle.with_changes(model, adapters=lifecycle.read(model).adapters + (entry,))
         return {"ui": {"lora_coverage": [shown]}, "result": (out,)}
+
+
+def lora_fingerprint(lora_name) -> str:
+    """The content digest of `lora_name`'s file (`LoraAdapter.content_hash` of the same bytes), or a
+    text naming why it cannot be read (the node's own run then says so)."""
+    try:
+        return file_digest(host.resolve_lora(lora_name))
+    except (ValueError, OSError) as e:
+        return f"unreadable: {e}"
 
 
 def check_lora_name(lora_name, **checks):

@@ -104,6 +104,10 @@ def text(r: dict) -> str:
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
     if (r.get("host_patched") or {}).get("layers"):
         lines.append(host_patched_line(r["host_patched"]))
+    if dec.get("shared_cache"):
+        lines.append(f"  decision from the shared cache for {dec['shared_cache']} adapter(s); "
+                     f"{dec.get('measured', 0)} measured here")
+    lines.extend(f"  {note}" for note in dec.get("cache_notes") or [])
     for a in r["adapters"]:  # as on the node: the layer count and the decision first, then the file
         c = a.get("coverage") or {}
         ad = a.get("decision") or {}

@@ -21,7 +21,7 @@ from ..lora_runtime import LoraRuntimeError
 from ..lora_runtime.block_filter import parse_blocks
 from ..lora_runtime.layer.schedule import BRANCH_CHOICES, parse_schedule
 from ..lora_runtime.settings import STRENGTH_MAX, STRENGTH_MIN, in_strength_range
-from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter
+from .lora_nodes import CATEGORY, UNMATCHED_CHOICES, UNMATCHED_DEFAULT, LoadLoraAdapter, lora_fingerprint
 
 ROW_KEYS = ("on", "lora", "strength", "schedule", "branch", "blocks")
 NODE = "LoRA Stack"
@@ -125,6 +125,15 @@ class LoraStack:
             except LoraRuntimeError as e:
                 return str(e)
         return True
+
+    @classmethod
+    def IS_CHANGED(cls, rows, **_):
+        # the content of every row's file that is on (see LoadLoraAdapter.IS_CHANGED)
+        try:
+            parsed = parse_rows(rows)
+        except LoraRuntimeError as e:
+            return str(e)
+        return "|".join(lora_fingerprint(r["lora"]) for r in parsed if active(r))
 
     def load(self, model, rows, unmatched_keys=UNMATCHED_DEFAULT):
         parsed = parse_rows(rows)

@@ -229,8 +229,12 @@ export const formatDecision = safe(
       requested === "auto" && threshold !== null ? `auto keeps adapters dynamic above ${threshold}` : "",
       layers !== null ? `${layers} adapted layers` : "",
       decision.cached === true ? "measurement reused from the cache" : "",
+      num(decision.shared_cache) ? `decision from the shared cache for ${decision.shared_cache} adapter(s)` : "",
+      ...(Array.isArray(decision.cache_notes) ? decision.cache_notes.filter((n) => typeof n === "string") : []),
     ].filter(Boolean).join("\n");
-    return { text, level: "ok", title };
+    // a shared cache entry that could not be used or written: measured here, said on the badge
+    const noted = Array.isArray(decision.cache_notes) && decision.cache_notes.length > 0;
+    return { text: noted ? `${text} · shared cache entry ignored` : text, level: noted ? "warn" : "ok", title };
   },
   () => ({ text: "merge decision unreadable", level: "warn", title: "" }),
 );

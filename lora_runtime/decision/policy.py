@@ -26,7 +26,11 @@ The actual merge folds the merged adapters of a layer with one rounding
 
 Each adapter's measurement is cached in a `DecisionCache` keyed by its layers (name,
 weight storage, dtype, shape), its content (hash, strength, alpha per layer) and the
-keys of the adapters merged before it, so re-running a prompt does not measure again.
+keys of the adapters merged before it, so re-running a prompt does not measure again;
+with a disk level (`disk_cache`) another process that shares its folder does not either.
+The file's name is not part of the key: the same bytes under another name are the same
+adapter. A decision says how many adapters came from the shared cache (`shared_cache`),
+how many were measured (`measured`) and what the disk level could not use (`cache_notes`).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import AdaptedLayer
 from ..layer.weight_merge import mergeable
+from .cache import CHECK, SHARE, SHARED, DecisionCache
 from .estimate import MAX_SAMPLE_ROWS, SequentialEstimate
 
 log = logging.getLogger(__name__)
@@ -56,10 +61,14 @@ class AdapterDecision:
     reason: str
     layers: int
     cached: bool = False
+    shared: bool = False         # read from the shared (disk) cache, measured by another process or run
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "chosen": self.chosen, "share_lost": self.share_lost, "reason": self.reason,
-                "layers": self.layers, "cached": self.cached}
+        d = {"name": self.name, "chosen": self.chosen, "share_lost": self.share_lost, "reason": self.reason,
+             "layers": self.layers, "cached": self.cached}
+        if self.shared:
+            d["shared_cache"] = True
+        return d
 
 
 @dataclass
@@ -75,6 +84,8 @@ class MergeDecision:
     # they stay dynamic whatever is chosen for the rest; layer name -> reason
     kept_dynamic: dict = field(default_factory=dict)
     adapters: list[AdapterDecision] = field(default_factory=list)
+    measured: int = 0               # measurements this decision made (shares and overflow checks)
+    cache_notes: list[str] = field(default_factory=list)  # disk entries ignored or not written, and why
 
     def merged_adapters(self) -> set[str]:
         return {a.name for a in self.adapters if a.chosen == "merge"}
@@ -89,30 +100,13 @@ class MergeDecision:
             d["kept_dynamic"] = len(self.kept_dynamic)
             d["kept_dynamic_reason"] = next(iter(self.kept_dynamic.values()))
             d["kept_dynamic_examples"] = list(self.kept_dynamic)[:3]
+        shared = sum(a.shared for a in self.adapters)
+        if shared:
+            d["shared_cache"] = shared
+        d["measured"] = self.measured
+        if self.cache_notes:
+            d["cache_notes"] = list(self.cache_notes)
         return d
-
-
-@dataclass
-class DecisionCache:
-    """Measured rounding-loss shares and passed overflow checks; one instance per base model
-    (held by the caller). Keys carry the content of what was measured (see `_adapter_key`),
-    so a changed weight, adapter file, strength or dtype is measured afresh, never served
-    an old answer."""
-
-    shares: dict = field(default_factory=dict)
-    measurements: int = 0
-    checks: dict = field(default_factory=dict)   # overflow checks passed (dynamic mode)
-    check_measurements: int = 0
-    max_entries: int = 512
-
-    def clear(self) -> None:
-        self.shares.clear()
-        self.checks.clear()
-
-    def _put(self, table: dict, key, value) -> None:
-        if len(table) >= self.max_entries:
-            table.pop(next(iter(table)))  # the oldest entry
-        table[key] = value
 
 
 def _slot(w: AdaptedLayer, name: str):
@@ -229,6 +223,11 @@ def _summary(mode: MergeMode, adapters: list[AdapterDecision], n: int, soft: dic
     return MergeDecision(mode.value, chosen, share, reason, n, cached, kept_dynamic=soft, adapters=adapters)
 
 
+def _counted(d: MergeDecision, measured: int, notes: list[str]) -> MergeDecision:
+    d.measured, d.cache_notes = measured, notes
+    return d
+
+
 def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache | None = None,
            order: list[str] | None = None, varying: dict[str, str] | None = None) -> MergeDecision:
     """`varying`: adapter name -> why its strength changes over the run or per branch
@@ -245,6 +244,7 @@ def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache |
 
     weight_keys: dict = {}  # layer -> content key, read once per decision
     off = _off(wrappers, order, counts)
+    measured, notes = 0, []  # measurements made here; what the shared cache could not use or keep
 
     if mode is MergeMode.DYNAMIC:
         why = "dynamic mode never touches the weights"
@@ -257,14 +257,18 @@ def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache |
             if all(_cannot_overflow(w, s) for w in floats for s in [_slot(w, name)] if s is not None):
                 continue  # bounded by its factors: no weight of this dtype can overflow
             key = _adapter_key(floats, name, weight_keys) if cache is not None else None
-            if key is not None and key in cache.checks:
-                continue
+            if key is not None:
+                passed, _, note = cache.lookup(CHECK, key)
+                notes += [note] if note else []
+                if passed:
+                    continue
             check = check or SequentialEstimate(floats)
             check.share(name)
+            measured += 1
             if key is not None:
-                cache._put(cache.checks, key, True)
-                cache.check_measurements += 1
-        return _summary(mode, each("dynamic", why), n, {}, why, off=off)
+                note = cache.store(CHECK, key, True)
+                notes += [note] if note else []
+        return _counted(_summary(mode, each("dynamic", why), n, {}, why, off=off), measured, notes)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
     soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
@@ -327,28 +331,29 @@ def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache |
             continue
         own = _adapter_key(rest, name, weight_keys) if cache is not None else None
         key = (own, tuple(merged_keys)) if own is not None and None not in merged_keys else None
-        hit = key is not None and key in cache.shares
-        after = None
-        if hit:
-            share = cache.shares[key]
-        else:
+        share, source, note = cache.lookup(SHARE, key) if key is not None else (None, "", "")
+        notes += [note] if note else []
+        hit, after = share is not None, None
+        if not hit:
             all_cached = False
             share, after = sampled().share(name)
+            share = float(share)
+            measured += 1
             if key is not None:
-                cache._put(cache.shares, key, share)
-                cache.measurements += 1
+                note = cache.store(SHARE, key, share)
+                notes += [note] if note else []
         if share > AUTO_MERGE_MAX_ROUNDING_LOSS:
             reason = (f"stays unmerged: merging into the base weights would round away {share:.0%} of its update "
                       f"(> {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})")
-            decisions.append(AdapterDecision(name, "dynamic", share, reason, counts[name], hit))
+            decisions.append(AdapterDecision(name, "dynamic", share, reason, counts[name], hit, source == SHARED))
             continue
         reason = f"merged: a merge rounds away {share:.0%} of its update (<= {AUTO_MERGE_MAX_ROUNDING_LOSS:.0%})"
-        decisions.append(AdapterDecision(name, "merge", share, reason, counts[name], hit))
+        decisions.append(AdapterDecision(name, "merge", share, reason, counts[name], hit, source == SHARED))
         merged_keys.append(own)
         merged_names.append(name)
         if estimate is not None:  # later adapters are measured against the weight with this one merged
             estimate.advance(after if after is not None else estimate.share(name)[1])
-    decision = _summary(mode, decisions, n, soft, cached=all_cached, off=off)
+    decision = _counted(_summary(mode, decisions, n, soft, cached=all_cached, off=off), measured, notes)
     for a in decisions:
         log.info("LoRA auto merge, %s over %d layers: %s", a.name, a.layers, a.reason)
     return decision

@@ -2,9 +2,9 @@
 
 - `read_header(path)` reads only the header (cheap: prompt validation) and checks it.
 - `load_safetensors(path)` reads the whole file ONCE into memory the process owns, checks
-  the header and every tensor entry against those bytes, hashes those same bytes and
-  builds the tensors as views of them. Nothing stays mapped to the file: rewriting,
-  truncating or deleting it afterwards changes no loaded tensor and cannot fault.
+  the header and every tensor entry against those bytes, hashes those same bytes
+  (`content_digest`) and builds the tensors as views of them. Nothing stays mapped to the
+  file: rewriting, truncating or deleting it afterwards changes no loaded tensor and cannot fault.
 
 Every malformed value (a pickle, an HTML page, a truncated file, a header that is not a
 JSON object or is nested too deep, ``__metadata__`` that is not a string map, a tensor
@@ -13,7 +13,6 @@ the key) and the fix.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AdapterFileError
+from . import content_digest
 
 _MAX_HEADER = 100 * 1024 * 1024
 _REDOWNLOAD = "the file is corrupt or was written by a broken tool — re-download or re-save it"
@@ -185,6 +185,10 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     """Every tensor (CPU, in memory the process owns), the string metadata and the content
     hash of exactly the bytes the tensors were built from."""
     p = Path(path)
+    try:
+        before = content_digest.stat_key(p)
+    except OSError:
+        before = None  # read_owned names the problem
     buf = read_owned(p)
     size = len(buf)
     n = _header_length(p.name, buf[:9], size)
@@ -209,5 +213,8 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
             tensors[key] = torch.frombuffer(buf, dtype=dtype, count=(end - begin) // torch.empty(
                 (), dtype=dtype).element_size(), offset=start).reshape(shape)
     meta = header.get("__metadata__") or {}
-    return tensors, dict(meta), hashlib.blake2b(buf, digest_size=16).hexdigest()
+    digest = content_digest.digest_bytes(buf)
+    if before is not None and before[1] == size:  # the loader node's IS_CHANGED need not hash it again
+        content_digest.remember(before, digest)
+    return tensors, dict(meta), digest
 

@@ -85,6 +85,20 @@ test("decision texts and shares", () => {
   assert.match(cached.title, /above 50 %/);
 });
 
+test("shared decision cache: hits in the hover, an ignored entry as a warning", () => {
+  const shared = fmt.formatDecision({ requested: "auto", chosen: "merge", share_lost: 0.2, cached: true,
+    measured: 0, shared_cache: 2 });
+  assert.equal(shared.level, "ok");
+  assert.match(shared.title, /decision from the shared cache for 2 adapter\(s\)/);
+  const note = "shared decision cache entry share-ab.json in /c is not complete JSON (truncated or corrupt): " +
+    "ignored, measured again";
+  const ignored = fmt.formatDecision({ requested: "auto", chosen: "merge", share_lost: 0.2, measured: 1,
+    cache_notes: [note, 3] });
+  assert.equal(ignored.level, "warn");
+  assert.match(ignored.text, /shared cache entry ignored$/);
+  assert.ok(ignored.title.includes(note));
+});
+
 test("null decision: no adapter applied", () => {
   const d = fmt.formatDecision(null);
   assert.equal(d.text, "no adapter applied");

@@ -161,7 +161,7 @@ def test_auto_cache_is_per_adapter_and_follows_merge_order(files):
     assert cache.measurements == 2 and not r1.decision.cached
     _, r2 = _run(model, both, "auto", cache=cache)
     assert cache.measurements == 2 and r2.decision.cached and r2.decision.to_dict() == {
-        **r1.decision.to_dict(), "cached": True,
+        **r1.decision.to_dict(), "cached": True, "measured": 0,
         "adapters": [{**a, "cached": True} for a in r1.decision.to_dict()["adapters"]]}
     # the distilled adapter alone is measured against the bare weight: a new key
     _run(model, both[1:], "auto", cache=cache)

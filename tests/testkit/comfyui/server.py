@@ -116,8 +116,9 @@ class ComfyServer:
     `run(prompt)` (queue + wait + history).
     """
 
-    def __init__(self, comfy_dir: Path, python: str, base: Path, port: int):
+    def __init__(self, comfy_dir: Path, python: str, base: Path, port: int, env: dict | None = None):
         self.comfy_dir = comfy_dir
+        self.extra_env = dict(env or {})  # set for the server process only (e.g. a shared cache folder)
         self.python = python
         self.base = base
         self.port = port
@@ -143,6 +144,7 @@ class ComfyServer:
                "--base-directory", str(self.base), "--output-directory", str(self.output_dir),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}"]
         env = dict(os.environ)
+        env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("TRITON_INTERPRET", None)  # set by tests/conftest.py for the test process only
         self._log_file = open(self.log_path, "wb")
