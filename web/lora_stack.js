@@ -90,14 +90,28 @@ function addRowWidget(node, tag, type, name, value, callback, options = {}) {
 
 function clearRowWidgets(node) {
   if (!Array.isArray(node.widgets)) return;
-  for (const w of node.widgets.filter((x) => x?.[ROW])) quietly(() => w.onRemove?.());
-  node.widgets = node.widgets.filter((x) => !x?.[ROW]);
+  for (const w of node.widgets.filter((x) => x?.[ROW])) {
+    // The core's removeWidget (it calls onRemove) also drops the widget's entry from the frontend's
+    // widget store (1.58): a widget only filtered out of node.widgets stayed there, and the widget
+    // of the same name made next (a row rebuilt after a remove) showed the removed row's value.
+    if (typeof node.removeWidget === "function") quietly(() => node.removeWidget(w));
+    else quietly(() => w.onRemove?.());
+  }
+  if (node.widgets.some((x) => x?.[ROW])) node.widgets = node.widgets.filter((x) => !x?.[ROW]);
+}
+
+/** [width, height] of the node: node.size is an Array, a typed array or (frontend 1.58) a Proxy over one. */
+function sizeOf(node) {
+  const w = Number(node?.size?.[0]);
+  const h = Number(node?.size?.[1]);
+  return Number.isFinite(w) && Number.isFinite(h) ? [w, h] : null;
 }
 
 function fit(node) {
   quietly(() => {
     const want = node.computeSize?.();
-    if (want && Array.isArray(node.size)) node.setSize?.([Math.max(node.size[0], want[0]), want[1]]);
+    const size = sizeOf(node);
+    if (want && size) node.setSize?.([Math.max(size[0], want[0]), want[1]]);
   });
 }
 

@@ -160,3 +160,67 @@ test("other node types are not touched", async () => {
   assert.equal(node.widgets.length, 2);
   assert.equal(node.widgets[0].hidden, undefined);
 });
+
+/**
+ * Frontend 1.58's node, as far as the rows touch it: node.size is a Proxy over a Float64Array (no
+ * Array, no typed array to Array.isArray / ArrayBuffer.isView), and a widget's value lives in a
+ * store keyed by the widget's name that only removeWidget clears: a widget of a name still in the
+ * store takes the stored value, not the one it was made with.
+ */
+function makeStoreStackClass() {
+  class StoreStack extends makeStackClass() {
+    constructor() {
+      super();
+      this.store = new Map();
+      const buf = new Float64Array([300, 80]);
+      this.sizeProxy = new Proxy(buf, {});
+      Object.defineProperty(this, "size", {
+        get: () => this.sizeProxy,
+        set: (v) => { buf[0] = v[0]; buf[1] = v[1]; },
+      });
+    }
+    addWidget(type, name, value, callback, options) {
+      const stored = this.store.get(name);
+      const w = super.addWidget(type, name, stored ? stored.value : value, callback, options);
+      if (!stored) this.store.set(name, { value });
+      const entry = this.store.get(name);
+      Object.defineProperty(w, "value", { get: () => entry.value, set: (v) => { entry.value = v; }, configurable: true });
+      return w;
+    }
+    removeWidget(w) {
+      const i = this.widgets.indexOf(w);
+      if (i === -1) throw new Error("Widget not found on this node");
+      w.onRemove?.();
+      this.store.delete(w.name);
+      this.widgets.splice(i, 1);
+    }
+  }
+  return StoreStack;
+}
+
+test("frontend 1.58 (widget store, Proxy size): a removed row's values do not stay on the renumbered row", async () => {
+  const StoreStack = makeStoreStackClass();
+  await ext.beforeRegisterNodeDef(StoreStack, NODE_DATA, app);
+  const node = new StoreStack();
+  node.onNodeCreated?.();
+  assert.ok(!Array.isArray(node.size) && !ArrayBuffer.isView(node.size), "the stub's size is a Proxy");
+  click(node, "+ Add LoRA");
+  click(node, "+ Add LoRA");
+  widget(node, "2 file").callback("sub/second.safetensors");
+  widget(node, "2 file").value = "sub/second.safetensors";
+  widget(node, "LoRA 2").callback(false);
+  widget(node, "LoRA 2").value = false;
+  const tall = node.size[1];
+  click(node, "✕ remove LoRA 1");
+  // the row that was second is now first, and its widgets show it (not the removed row's values)
+  assert.deepEqual(rowsOf(node), [{ on: false, lora: "sub/second.safetensors", strength: 1, schedule: "",
+    branch: "both", blocks: "" }]);
+  assert.equal(widget(node, "LoRA 1").value, false);
+  assert.equal(widget(node, "1 file").value, "sub/second.safetensors");
+  assert.equal(widget(node, "2 file"), undefined);
+  assert.ok(![...node.store.keys()].some((k) => k.startsWith("2 ")), [...node.store.keys()]);
+  // the node follows its rows through the Proxy size: shorter by one row
+  assert.equal(node.size[1], node.computeSize()[1]);
+  assert.ok(node.size[1] < tall, [tall, node.size[1]]);
+  assert.equal(node.size[0], 300);
+});
