@@ -486,12 +486,53 @@ function fitNode(node, shrink, { decide = true } = {}) {
 
 // ---------------------------------------------------------------- title room
 
-const TITLE_FONT_PX = 14; // LiteGraph.NODE_TEXT_SIZE when the node gives no titleFontStyle
+const NODE_TEXT_SIZE = 14; // LiteGraph.NODE_TEXT_SIZE, for a frontend that defines no title font at all
 const TITLE_EM = 0.85; // a generous average character width when no canvas can measure (wide fonts)
 let measureCtx = null;
 
+function fontString(value) {
+  return typeof value === "string" && value.trim() ? value : undefined;
+}
+
+/**
+ * The font the canvas draws the node's title in, as the running frontend defines it: the node's
+ * titleFontStyle (LGraphNode: `${NODE_TEXT_SIZE}px ${NODE_FONT}`, Inter since frontend 1.49, Arial
+ * in 1.27), else the canvas' title_text_font, else LiteGraph's NODE_TEXT_SIZE and NODE_FONT; Arial
+ * only when the frontend names none.
+ */
+export function titleFont(node) {
+  const own = fontString(quietly(() => node?.titleFontStyle));
+  if (own) return own;
+  const canvas = fontString(quietly(() => app?.canvas?.title_text_font));
+  if (canvas) return canvas;
+  return quietly(() => {
+    const lg = globalThis.LiteGraph;
+    const px = Number(lg?.NODE_TEXT_SIZE);
+    const size = Number.isFinite(px) && px > 0 ? px : NODE_TEXT_SIZE;
+    return `${size}px ${fontString(lg?.NODE_FONT) ?? "Arial"}`;
+  }) ?? `${NODE_TEXT_SIZE}px Arial`;
+}
+
+/** The font size in px a CSS font string names (the estimate's unit). */
+function fontPx(font) {
+  const m = /(\d+(?:\.\d+)?)px/.exec(String(font));
+  const px = m ? Number(m[1]) : NaN;
+  return Number.isFinite(px) && px > 0 ? px : NODE_TEXT_SIZE;
+}
+
+/**
+ * Whether the page can measure in `font` now. A web font the frontend ships (Inter) is measured in
+ * the fallback font until it has loaded (about 8 % wider than Inter with DejaVu Sans): false then.
+ * True where there is no font loading API (a font the system has, or no browser).
+ */
+function fontReady(font) {
+  const fonts = globalThis.document?.fonts;
+  if (!fonts || typeof fonts.check !== "function") return true;
+  return quietly(() => fonts.check(font)) !== false;
+}
+
 /** The width of the node's title in its title font: measured on a canvas, else estimated generously. */
-function titleTextWidth(node) {
+function titleTextWidth(node, font = titleFont(node)) {
   const title = String(node?.title ?? "");
   const measured = quietly(() => {
     if (!measureCtx) {
@@ -499,23 +540,48 @@ function titleTextWidth(node) {
       measureCtx = canvas && typeof canvas.getContext === "function" ? canvas.getContext("2d") : null;
     }
     if (!measureCtx || typeof measureCtx.measureText !== "function") return undefined;
-    measureCtx.font = node.titleFontStyle || `${TITLE_FONT_PX}px Arial`;
+    measureCtx.font = font;
     return measureCtx.measureText(title).width;
   });
-  return Number.isFinite(measured) && measured > 0 ? measured : title.length * TITLE_FONT_PX * TITLE_EM;
+  return Number.isFinite(measured) && measured > 0 ? measured : title.length * fontPx(font) * TITLE_EM;
+}
+
+/** [width, height] of the node: node.size is an Array, a typed array or (frontend 1.58) a Proxy over one. */
+function sizeOf(node) {
+  const w = Number(node?.size?.[0]);
+  const h = Number(node?.size?.[1]);
+  return Number.isFinite(w) && Number.isFinite(h) ? [w, h] : null;
+}
+
+/** The width a node needs for its whole title (the canvas draws it in the width less two title heights). */
+export function titleRoomWidth(node, font = titleFont(node)) {
+  return Math.ceil(titleTextWidth(node, font) + 2 * titleHeight() + 10);
 }
 
 /**
  * A node just added from the node list: wide enough for its whole title (the canvas draws the
  * title in the width less two title heights and cuts the rest; the core's first size reserves
  * less than that for a node without widgets, such as the report node). Not for loaded nodes:
- * a saved workflow's sizes are its own.
+ * a saved workflow's sizes are its own. When the title font is a web font that has not loaded
+ * yet, the node is widened once it has (a width measured in the fallback would be too wide).
  */
 function widenForTitle(node) {
   quietly(() => {
-    if (typeof node.setSize !== "function" || !Array.isArray(node.size) && !ArrayBuffer.isView(node.size)) return;
-    const need = Math.ceil(titleTextWidth(node) + 2 * titleHeight() + 10);
-    if (Number(node.size[0]) < need) node.setSize([need, node.size[1]]);
+    if (typeof node.setSize !== "function" || !sizeOf(node)) return;
+    const font = titleFont(node);
+    const widen = () => quietly(() => {
+      const size = sizeOf(node);
+      if (!size || node[STATE]?.configured) return; // loaded meanwhile: its saved size stands
+      const need = titleRoomWidth(node, font);
+      if (size[0] < need) node.setSize([need, size[1]]);
+    });
+    if (fontReady(font)) {
+      widen();
+      return;
+    }
+    const loading = quietly(() => globalThis.document.fonts.load(font));
+    if (loading && typeof loading.then === "function") loading.then(widen, widen);
+    else widen();
   });
 }
 
@@ -609,6 +675,7 @@ function patchNodeType(nodeType, comfyClass) {
   });
   chain(proto, "onConfigure", function () {
     track(this);
+    nodeState(this).configured = true; // a loaded node: its saved size stands (widenForTitle)
     restore(this, spec);
   });
   chain(proto, "onExecuted", function (output) {

@@ -15,7 +15,7 @@ installFakeDocument();
 const { app } = await import(urls.app);
 const { api } = await import(urls.api);
 const fmt = await import(urls.format);
-await import(urls.extension);
+const extModule = await import(urls.extension);
 const ext = app.extensions.find((e) => e.name === "comfyui_lora_runtime.report");
 await ext.setup?.();
 
@@ -514,4 +514,116 @@ test("a node added from the node list is wide enough for its whole title; a load
   wide.size = [600, 46];
   wide.onNodeCreated?.();
   assert.deepEqual(wide.size, [600, 46], "never narrower");
+});
+
+// A canvas whose measureText gives a width per character that depends on the family: Inter narrower
+// than the fallback (DejaVu Sans here), as in the browser (272 vs 295 px for the same title).
+const measured = [];
+function installCanvas() {
+  const create = globalThis.document.createElement;
+  globalThis.document.createElement = (tag) => (tag === "canvas" ? {
+    getContext: () => ({
+      font: "",
+      measureText(text) {
+        measured.push(this.font);
+        const per = /Inter/.test(this.font) ? 7 : /Arial/.test(this.font) ? 7.5 : 8.5;
+        return { width: String(text).length * per * (parseFloat(this.font) / 14) };
+      },
+    }),
+  } : create(tag));
+  return () => { globalThis.document.createElement = create; };
+}
+
+test("titleFont: the node's titleFontStyle, else the canvas' title font, else LiteGraph's; Arial only when none", () => {
+  const { titleFont } = extModule;
+  const saved = { lg: globalThis.LiteGraph, canvas: app.canvas };
+  try {
+    delete globalThis.LiteGraph;
+    delete app.canvas;
+    assert.equal(titleFont({ titleFontStyle: "14px Inter" }), "14px Inter");
+    assert.equal(titleFont({}), "14px Arial", "the frontend names no font");
+    app.canvas = { title_text_font: "15px Inter" };
+    assert.equal(titleFont({}), "15px Inter");
+    assert.equal(titleFont({ titleFontStyle: "13px Roboto" }), "13px Roboto");
+    delete app.canvas;
+    globalThis.LiteGraph = { NODE_TEXT_SIZE: 16, NODE_FONT: "Inter" };
+    assert.equal(titleFont({}), "16px Inter");
+    globalThis.LiteGraph = { NODE_FONT: "Inter" };
+    assert.equal(titleFont({}), "14px Inter");
+    globalThis.LiteGraph = { NODE_TEXT_SIZE: 12 };
+    assert.equal(titleFont({}), "12px Arial");
+    // a getter that throws is no font
+    const bad = {};
+    Object.defineProperty(bad, "titleFontStyle", { get() { throw new Error("no"); } });
+    assert.equal(titleFont(bad), "12px Arial");
+  } finally {
+    if (saved.lg === undefined) delete globalThis.LiteGraph;
+    else globalThis.LiteGraph = saved.lg;
+    if (saved.canvas === undefined) delete app.canvas;
+    else app.canvas = saved.canvas;
+  }
+});
+
+test("a new node is as wide as its title in the font the canvas draws it with (Inter), on a Proxy size too", async () => {
+  setting(true);
+  const restore = installCanvas();
+  try {
+    const Report = await register("LoraRuntimeReport");
+    Report.prototype.titleFontStyle = "14px Inter"; // LGraphNode's getter in frontends 1.49 / 1.58
+    const node = new Report();
+    node.title = "LoRA Runtime Report";
+    node.size = [180, 46];
+    measured.length = 0;
+    node.onNodeCreated?.();
+    assert.deepEqual(measured, ["14px Inter"]);
+    assert.deepEqual(node.size, [Math.ceil(19 * 7 + 2 * 30 + 10), 46]);
+    assert.equal(extModule.titleRoomWidth(node), node.size[0]);
+    // frontend 1.58: node.size is a Proxy over a Float64Array (neither an Array nor a typed array)
+    const proxied = new Report();
+    proxied.title = "LoRA Runtime Report";
+    const buf = new Float64Array([180, 46]);
+    Object.defineProperty(proxied, "size", { get: () => new Proxy(buf, {}), configurable: true });
+    proxied.setSize = (s) => { buf[0] = s[0]; buf[1] = s[1]; };
+    proxied.onNodeCreated?.();
+    assert.deepEqual([...buf], [203, 46]);
+  } finally {
+    restore();
+  }
+});
+
+test("a title font that has not loaded yet: the node is widened once it has, not with the fallback's width", async () => {
+  setting(true);
+  const restore = installCanvas();
+  let release;
+  const loaded = new Set();
+  globalThis.document.fonts = {
+    check: (font) => loaded.has(font),
+    load: (font) => new Promise((resolve) => { release = () => { loaded.add(font); resolve([]); }; }),
+  };
+  try {
+    const Report = await register("LoraRuntimeReport");
+    Report.prototype.titleFontStyle = "14px Inter";
+    const node = new Report();
+    node.title = "LoRA Runtime Report";
+    node.size = [180, 46];
+    node.onNodeCreated?.();
+    assert.deepEqual(node.size, [180, 46], "not measured before the font is there");
+    release();
+    await new Promise((r) => setTimeout(r, 0));
+    assert.deepEqual(node.size, [203, 46]);
+    // a loaded node configured before the font arrives keeps its saved size
+    loaded.clear();
+    const saved = new Report();
+    saved.title = "LoRA Runtime Report";
+    saved.size = [180, 46];
+    saved.onNodeCreated?.();
+    saved.size = [150, 46]; // the workflow's size
+    saved.onConfigure?.({});
+    release();
+    await new Promise((r) => setTimeout(r, 0));
+    assert.deepEqual(saved.size, [150, 46]);
+  } finally {
+    delete globalThis.document.fonts;
+    restore();
+  }
 });
