@@ -14,6 +14,9 @@ Environment:
   ``<repo>/../shared/reference``).
 - ``LORA_RUNTIME_IT_WS=builtin``: use the built-in websocket client even when
   ``websocket-client`` is installed.
+- ``LORA_RUNTIME_FRONTEND_ROOT``: a frontend build to serve instead of the one the ComfyUI
+  install pins (the folder with ``index.html``, e.g. the ``static`` folder of a
+  ``comfyui_frontend_package`` wheel); the server is started with ``--front-end-root`` on it.
 
 The server runs with ``--base-directory <tmp>`` (custom_nodes, models, input,
 output, temp and user folders all in a temp dir; the checkout is not written
@@ -56,6 +59,7 @@ HELPER_STATE_CLASS = "ZZLoraRuntimeTestWeightState"
 
 ENV_DIR = "COMFYUI_DIR"
 ENV_PYTHON = "COMFYUI_PYTHON"
+ENV_FRONTEND_ROOT = "LORA_RUNTIME_FRONTEND_ROOT"
 HOST = "127.0.0.1"
 
 STARTUP_TIMEOUT = float(os.environ.get("COMFYUI_STARTUP_TIMEOUT", "300"))
@@ -89,6 +93,19 @@ def comfyui_python(comfy_dir: Path) -> str:
         return value
     venv = comfy_dir.parent / "comfyui-venv" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
+
+
+def frontend_root() -> Path | None:
+    """The frontend build named by LORA_RUNTIME_FRONTEND_ROOT (None: the install's own).
+    A value that is not a built frontend (no index.html) is an error, not a silent fallback."""
+    value = os.environ.get(ENV_FRONTEND_ROOT)
+    if not value:
+        return None
+    d = Path(value).expanduser().resolve()
+    if not (d / "index.html").is_file():
+        raise RuntimeError(f"{ENV_FRONTEND_ROOT}={value!r} has no index.html: name the folder of a built "
+                           f"frontend (the static/ folder of a comfyui_frontend_package wheel)")
+    return d
 
 
 def reference_dir() -> Path:
@@ -137,12 +154,15 @@ class ComfyServer:
         self._log_file = None
         self._ws = None
         self._events: dict[str, list[dict]] = {}  # prompt_id -> ws messages, in order
+        self.frontend_root = frontend_root()  # None: the frontend the install pins
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         cmd = [self.python, "main.py", "--cpu", "--listen", HOST, "--port", str(self.port),
                "--base-directory", str(self.base), "--output-directory", str(self.output_dir),
                "--database-url", f"sqlite:///{self.base / 'user' / 'comfyui.db'}"]
+        if self.frontend_root is not None:
+            cmd += ["--front-end-root", str(self.frontend_root)]
         env = dict(os.environ)
         env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
