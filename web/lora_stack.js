@@ -107,23 +107,24 @@ function sizeOf(node) {
   return Number.isFinite(w) && Number.isFinite(h) ? [w, h] : null;
 }
 
-function fit(node) {
+/** The node as tall as its rows (after an add or a remove); `keep`: a loaded node only grows. */
+function fit(node, keep = false) {
   quietly(() => {
     const want = node.computeSize?.();
     const size = sizeOf(node);
-    if (want && size) node.setSize?.([Math.max(size[0], want[0]), want[1]]);
+    if (want && size) node.setSize?.([Math.max(size[0], want[0]), keep ? Math.max(size[1], want[1]) : want[1]]);
   });
 }
 
-/** Redraw the row widgets from `rows` (after a load, an add or a remove). */
-export function rebuild(node) {
+/** Redraw the row widgets from `rows` (after a load, an add or a remove); `loaded`: keep the saved size. */
+export function rebuild(node, { loaded = false } = {}) {
   const w = rowsWidget(node);
   if (!w) return;
   const rows = parseRows(w.value);
   clearRowWidgets(node);
   if (rows === null) { // not a list of rows: leave the text to be fixed
     setRowsWidgetShown(w, true);
-    fit(node);
+    fit(node, loaded);
     return;
   }
   setRowsWidgetShown(w, false);
@@ -149,7 +150,7 @@ export function rebuild(node) {
   });
   addRowWidget(node, { row: -1, key: "add" }, "button", "+ Add LoRA", null, () => addRow(node));
   write(node);
-  fit(node);
+  fit(node, loaded);
 }
 
 export function addRow(node) {
@@ -191,7 +192,7 @@ function patchNodeType(nodeType, nodeData) {
     rebuild(this);
   });
   chain(proto, "onConfigure", function () {
-    rebuild(this);
+    rebuild(this, { loaded: true }); // a saved workflow's size stands (grown only if its rows need more)
   });
 }
 

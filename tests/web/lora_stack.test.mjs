@@ -224,3 +224,18 @@ test("frontend 1.58 (widget store, Proxy size): a removed row's values do not st
   assert.ok(node.size[1] < tall, [tall, node.size[1]]);
   assert.equal(node.size[0], 300);
 });
+
+test("a loaded node keeps its saved size (grown only where its rows need more); an add or a remove fits it", () => {
+  const node = create();
+  node.widgets[0].value = JSON.stringify([{ lora: "style.safetensors" }]);
+  node.size = [420, 500]; // the workflow's size, taller than the rows need
+  node.onConfigure?.({});
+  assert.deepEqual(node.size, [420, 500]);
+  const low = create();
+  low.widgets[0].value = JSON.stringify([{ lora: "style.safetensors" }, { lora: "style.safetensors" }]);
+  low.size = [420, 100];
+  low.onConfigure?.({});
+  assert.deepEqual(low.size, [420, low.computeSize()[1]]);
+  click(node, "✕ remove LoRA 1");
+  assert.deepEqual(node.size, [420, node.computeSize()[1]]);
+});
