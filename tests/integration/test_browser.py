@@ -91,7 +91,11 @@ ENV_NODE = "LORA_RUNTIME_NODE"
 ENV_UPDATE_DOCS = "LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT"
 ENV_DEJAVU = "LORA_RUNTIME_DEJAVU_DIR"
 # DejaVu Sans at 14 px, the negative prompt's title (PIL's advance; Chromium within a pixel)
+FONT_PROBE_TEXT = "Negative prompt (empty = unconditional)"
 FONT_PROBE_DEJAVU_PX = 294.06
+# the family each frontend draws node titles in (LiteGraph.NODE_FONT): 1.27 names Arial, a system
+# family (drawn here in the harness's DejaVu Sans); 1.49 and 1.58 ship the Inter web font
+KNOWN_TITLE_FAMILIES = {(1, 27): "Arial", (1, 49): "Inter", (1, 58): "Inter"}
 
 WORKFLOW = REPO / "workflows" / "embedded_style.json"
 API_WORKFLOW = REPO / "workflows" / "api" / "embedded_style.api.json"
@@ -398,6 +402,9 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
                      "expected": expected_nodes(json.loads(WORKFLOW.read_text(encoding="utf-8"))),
                      "run": editor_assets["mode"] == "embedded", "samplerId": SAMPLER_ID},
         "docsNodeIds": DOCS_NODE_IDS,  # the part of the graph the stage screenshots show
+        # the title font stage: the font the canvas draws titles in, and a node added as the node list does
+        "titleFont": {"nodeType": "LoraRuntimeReport", "probe": FONT_PROBE_TEXT,
+                      "extensionPath": f"{OUR_EXTENSION_URL}lora_runtime.js"},
         "docsShotNodeIds": [int(n["id"]) for n in editor_assets["workflow"]["nodes"]],
         "docsViewport": {"width": 2400, "height": 900},
         "layoutViewport": {"width": 3400, "height": 1100},  # the whole graph at 100 % for the layout checks
@@ -523,10 +530,38 @@ def test_editor_loads_with_our_extension(editor_session):
     assert st["frontendVersion"], "window.__COMFYUI_FRONTEND_VERSION__ not set"
 
 
-def test_the_editor_draws_in_dejavu_sans_only(editor_session):
-    fonts = _ok(editor_session, "load")["fonts"]
-    assert abs(fonts["arial"] - fonts["dejavu"]) < 0.01 and abs(fonts["nodeFont"] - fonts["dejavu"]) < 0.01, fonts
-    assert abs(fonts["dejavu"] - FONT_PROBE_DEJAVU_PX) < 1.5, fonts  # DejaVu Sans itself, not another face
+def test_titles_are_drawn_in_the_font_the_frontend_ships_with_no_fallback(editor_session):
+    """The canvas draws every title in one font, the frontend's own (LiteGraph's NODE_TEXT_SIZE and
+    NODE_FONT). A web font the frontend ships (Inter, 1.49+) is loaded and drawn as itself, not in a
+    fallback; a system family (Arial, 1.27) comes from the harness's fontconfig, DejaVu Sans only. The
+    extension measures titles in that same font, and a node added from the node list is exactly as
+    wide as its title in it needs (not the ~8 % more the fallback's metrics would give)."""
+    st = _ok(editor_session, "title_font")
+    version = _ok(editor_session, "load")["frontendVersion"]
+    assert st["drawn"] and len(st["fonts"]) == 1, f"titles drawn in {st['fonts']}: {st['drawn']}"
+    font, family = st["font"], st["family"]
+    assert font == f"{st['nodeTextSize']}px {st['nodeFont']}", (font, st["nodeFont"], st["nodeTextSize"])
+    known = KNOWN_TITLE_FAMILIES.get(tuple(int(p) for p in version.split(".")[:2]))
+    if known:
+        assert family == known, f"frontend {version}: titles in {family!r}, expected {known!r}"
+    w = st["widths"]
+    # the harness's fontconfig: "Arial" (and every sans family) is DejaVu Sans itself
+    assert abs(w["arial"] - w["dejavu"]) < 0.01, w
+    assert abs(w["dejavu"] - FONT_PROBE_DEJAVU_PX) < 1.5, w
+    if st["faces"]:
+        # a web font of the frontend's: loaded, and drawn as itself (not the DejaVu fallback's metrics)
+        assert any(f["status"] == "loaded" for f in st["faces"]), st["faces"]
+        assert st["check"] is True, st
+        assert abs(w["drawn"] - w["dejavu"]) > 5, f"{family} measures as the fallback: {w}"
+    else:
+        # a system family: the harness's DejaVu Sans, no other face
+        assert abs(w["drawn"] - w["dejavu"]) < 0.01, f"{family} is not drawn in DejaVu Sans: {w}"
+    # the extension measures with the canvas' font, and sizes a new node for its whole title in it
+    assert st["extensionFont"] == font, (st["extensionFont"], font)
+    node = st["node"]
+    need = math.ceil(node["titleWidth"] + 2 * node["titleHeight"] + 10)
+    assert abs(node["size"][0] - need) <= 1, f"{node['type']} {node['size'][0]} wide, its title needs {need}: {node}"
+    assert node["titleWidth"] <= node["size"][0] - 2 * node["titleHeight"], node
 
 
 def test_dropped_workflow_keeps_its_saved_sizes_and_whole_titles_in_dejavu(editor_session, editor_assets):
@@ -820,3 +855,4 @@ def test_every_stage_left_a_screenshot(editor_session):
                  "report_restored_from_properties", "classic_canvas_again", "stock_ksampler_report_after_run",
                  "stock_ksampler_report_restored", "docs"):
         assert name in names, f"no {name} screenshot: {names}"
+

@@ -330,6 +330,94 @@ function pageLayout() {
   };
 }
 
+/**
+ * The font the canvas draws node titles in, read off one redraw (CanvasRenderingContext2D.fillText
+ * recorded with the context's font, for the texts that are a node's title or a cut prefix of it), and
+ * what the page knows of that font: its family's FontFaces (a web font the frontend ships) and their
+ * status, document.fonts.check, and the width of one title in it, in the harness's DejaVu Sans and in
+ * "Arial". Then a node added as the node list adds one (LiteGraph.createNode + graph.add: the
+ * extension's onNodeCreated), its width once any font load has settled, and the font the extension
+ * measures with (its titleFont, from the same module instance the page loaded).
+ */
+async function pageTitleFont(a) {
+  const c = window.app.canvas;
+  const titles = new Map(window.app.graph.nodes.map((n) => [String(n.title || ""), n.id]));
+  const drawn = [];
+  const proto = CanvasRenderingContext2D.prototype;
+  const fillText = proto.fillText;
+  proto.fillText = function (text, ...rest) {
+    const t = String(text);
+    for (const title of titles.keys()) {
+      if (title && (t === title || (t.length > 3 && title.startsWith(t.replace(/\u2026$/, ""))))) {
+        drawn.push({ text: t, title, font: this.font });
+        break;
+      }
+    }
+    return fillText.call(this, text, ...rest);
+  };
+  try {
+    c.draw(true, true);
+  } finally {
+    proto.fillText = fillText;
+  }
+  const fonts = [...new Set(drawn.map((d) => d.font))];
+  const font = fonts[0] || null;
+  const family = font ? font.replace(/^.*?\d+(?:\.\d+)?px\s*/, "").replace(/["']/g, "").trim() : null;
+  const ctx = document.createElement("canvas").getContext("2d");
+  const measure = (f, text) => {
+    ctx.font = f;
+    return ctx.measureText(text).width;
+  };
+  const size = font ? font.match(/(\d+(?:\.\d+)?)px/)[1] : "14";
+  const faces = [...document.fonts].filter((f) => f.family.replace(/["']/g, "") === family)
+    .map((f) => ({ family: f.family, weight: f.weight, style: f.style, status: f.status }));
+  const lg = window.LiteGraph || {};
+  const th = lg.NODE_TITLE_HEIGHT || 30;
+  // a node added the way the node list adds one
+  const node = lg.createNode(a.nodeType);
+  window.app.graph.add(node);
+  const created = [node.size[0], node.size[1]];
+  if (font) await document.fonts.load(font).catch(() => null);
+  await new Promise((r) => setTimeout(r, 200));
+  let ours = null;
+  try {
+    const mod = await import(a.extensionUrl);
+    ours = typeof mod.titleFont === "function" ? mod.titleFont(node) : null;
+  } catch (e) {
+    ours = `import failed: ${e}`;
+  }
+  const out = {
+    drawn: drawn.slice(0, 20),
+    fonts,
+    font,
+    family,
+    nodeFont: lg.NODE_FONT || null,
+    nodeTextSize: lg.NODE_TEXT_SIZE || null,
+    titleFontStyle: node.titleFontStyle || null,
+    extensionFont: ours,
+    faces,
+    check: font ? document.fonts.check(font) : null,
+    probe: a.probe,
+    widths: {
+      drawn: font ? measure(font, a.probe) : null,
+      dejavu: measure(`${size}px 'DejaVu Sans'`, a.probe),
+      arial: measure(`${size}px Arial`, a.probe),
+    },
+    node: {
+      type: node.type,
+      title: node.title,
+      created,
+      size: [node.size[0], node.size[1]],
+      titleWidth: font ? measure(font, String(node.title)) : null,
+      titleWidthDejavu: measure(`${size}px 'DejaVu Sans'`, String(node.title)),
+      titleHeight: th,
+    },
+  };
+  window.app.graph.remove(node);
+  c.setDirty(true, true);
+  return out;
+}
+
 // ------------------------------------------------------------------ node-side helpers
 
 async function graphSnapshot() {
@@ -705,6 +793,16 @@ async function main() {
       await focusNodes(Object.keys(cfg.uiWorkflow.expected).map(Number), 30, 1.0);
       await shot("dropped_ui_workflow");
       ensure(!rec.problems.length, rec.problems.join("; "));
+    });
+
+    // 2b. the title font: the one the canvas draws titles in, loaded, and the one the extension sizes with
+    currentStage = "title_font";
+    await stage("title_font", async (rec) => {
+      await focusNodes(cfg.docsNodeIds, 30, 1.0); // near 100 %: a zoomed-out canvas draws no titles
+      Object.assign(rec, await page.evaluate(pageTitleFont, {
+        nodeType: cfg.titleFont.nodeType, probe: cfg.titleFont.probe,
+        extensionUrl: new URL(cfg.titleFont.extensionPath, cfg.url).href }));
+      ensure(rec.font, "no node title was drawn on the canvas");
     });
 
     // 3. drag-and-drop a PNG the pack saved ------------------------------------------
