@@ -81,6 +81,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DRIVER = HERE.parent / "testkit" / "comfyui" / "editor_driver.cjs"
+VUE_STACK_DRIVER = HERE.parent / "testkit" / "comfyui" / "editor_vue_stack.cjs"
 SCREENSHOT_DIR = REPO / "test-output" / "browser"
 DOCS_SCREENSHOT = REPO / "docs" / "editor_lora_nodes.png"
 DOCS_MAX_BYTES = 300 * 1024
@@ -98,6 +99,8 @@ FONT_PROBE_DEJAVU_PX = 294.06
 KNOWN_TITLE_FAMILIES = {(1, 27): "Arial", (1, 49): "Inter", (1, 58): "Inter"}
 
 WORKFLOW = REPO / "workflows" / "embedded_style.json"
+STACK_WORKFLOW = REPO / "workflows" / "embedded_style_stack.json"
+STACK_ID, STACK_SAMPLER_ID = 2, 8  # node ids in embedded_style_stack.json
 API_WORKFLOW = REPO / "workflows" / "api" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 EMBEDDED_LORAS = REPO / "standalone" / "models" / "loras"
@@ -856,3 +859,151 @@ def test_every_stage_left_a_screenshot(editor_session):
                  "stock_ksampler_report_restored", "docs"):
         assert name in names, f"no {name} screenshot: {names}"
 
+
+# ---------------------------------------------------------------------------
+# the LoRA Stack in the Vue node renderer (its own browser session: editor_vue_stack.cjs)
+# ---------------------------------------------------------------------------
+def stack_workflow(mode: str) -> dict:
+    """workflows/embedded_style_stack.json; on the reference tiny Wan, with the generated adapter in
+    every row (as editor_assets does for the single-adapter workflow)."""
+    wf = json.loads(STACK_WORKFLOW.read_text(encoding="utf-8"))
+    if mode == "reference":
+        for n in wf["nodes"]:
+            if n["type"] == "UNETLoader":
+                n["widgets_values"][0] = REFERENCE_MODEL
+            elif n["type"] == "LoraRuntimeStack":
+                rows = json.loads(n["widgets_values"][0])
+                for r in rows:
+                    r["lora"] = FALLBACK_LORA
+                n["widgets_values"][0] = json.dumps(rows)
+    return wf
+
+
+@pytest.fixture(scope="module")
+def vue_stack_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dict:
+    """One run of editor_vue_stack.cjs: the stack workflow in the Vue node renderer, edited through
+    the Vue node's controls and run from the Run button."""
+    work = tmp_path_factory.mktemp("browser-vue-stack")
+    shots = SCREENSHOT_DIR / "vue_stack"
+    if shots.exists():
+        shutil.rmtree(shots)
+    shots.mkdir(parents=True)
+    wf = stack_workflow(editor_assets["mode"])
+    wf_path = work / STACK_WORKFLOW.name
+    wf_path.write_text(json.dumps(wf, indent=1), encoding="utf-8")
+    # a returning user (no template dialog over the canvas), no minimap: as editor_session
+    status, _ = comfy.post_json("/settings", {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False})
+    assert status == 200
+    comfy.free()  # every node of the run executes (and reports)
+    cfg = {
+        "url": comfy.url + "/",
+        "chromium": browser_tools["chromium"],
+        "playwrightDir": browser_tools["playwright"],
+        "userDataDir": str(work / "chromium-profile"),
+        "fontconfigFile": str(dejavu_only_fontconfig(browser_tools["dejavu"], work)),
+        "screenshotDir": str(shots),
+        "workflow": {"path": str(wf_path), "name": wf_path.name, "expected": expected_nodes(wf)},
+        "stackId": STACK_ID,
+        "samplerId": STACK_SAMPLER_ID,
+        "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},
+        "hardStopSeconds": int(300 + PROMPT_TIMEOUT_S),
+    }
+    cfg_path, res_path = work / "config.json", work / "results.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    try:
+        proc = subprocess.run([browser_tools["node"], str(VUE_STACK_DRIVER), str(cfg_path), str(res_path)],
+                              capture_output=True, text=True, timeout=cfg["hardStopSeconds"] + 60, env=env)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"driver killed after {cfg['hardStopSeconds'] + 60} s\n{e.stdout or ''}{e.stderr or ''}"
+    if not res_path.is_file():
+        pytest.fail(f"the Vue stack driver wrote no results:\n{output}\n{comfy.log_tail()}")
+    results = json.loads(res_path.read_text(encoding="utf-8"))
+    results["driver_output"] = output
+    results["workflow"] = wf
+    (shots / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def _vue_stack_stage(session: dict, name: str) -> dict:
+    if session.get("available") is False:
+        pytest.skip(f"frontend {session['versions'].get('frontend')} has no Comfy.VueNodes.Enabled setting "
+                    "(no Vue node renderer)")
+    return _ok(session, name)
+
+
+def _toggle_shown(value) -> bool | None:
+    """What a Vue toggle shows: the pressed button's label (1.58: off / on) or a switch's state."""
+    return {"on": True, "true": True, "off": False, "false": False}.get(str(value).strip().lower())
+
+
+def _check_stack_shows(state: dict, rows: list[dict], key: str) -> None:
+    """The rows JSON the node sends, its row widgets and its Vue element all say `rows` (on, file)."""
+    sent = json.loads(state["rows"])
+    assert [(r["on"], r["lora"]) for r in sent] == [(r["on"], r["lora"]) for r in rows], (key, sent)
+    widgets = {w["name"]: w.get("value") for w in state["widgets"]}
+    shown = {w["name"]: w["value"] for w in state["shown"]}
+    for i, r in enumerate(rows, 1):
+        assert widgets[f"LoRA {i}"] is r["on"] and widgets[f"{i} file"] == r["lora"], (key, i, widgets)
+        assert _toggle_shown(shown.get(f"LoRA {i}")) is r["on"], f"{key}: row {i} shows {shown.get(f'LoRA {i}')!r}"
+        assert shown.get(f"{i} file") == r["lora"], f"{key}: row {i} shows file {shown.get(f'{i} file')!r}"
+    n = len(rows)
+    assert f"LoRA {n + 1}" not in shown and f"{n + 1} file" not in shown, (key, sorted(shown))
+    assert "+ Add LoRA" in shown and "rows" not in shown, (key, sorted(shown))
+
+
+def test_vue_nodes_stack_rows_are_added_toggled_and_removed_through_the_node(vue_stack_session):
+    st = _vue_stack_stage(vue_stack_session, "vue")
+    wf = vue_stack_session["workflow"]
+    assert st["enabledValue"] is True and st["vueNodeCount"] == len(wf["nodes"]), st
+    assert [e["type"] for e in st["dispatch"]] == ["dragenter", "dragover", "drop"] and st["dispatch"][-1]["defaultPrevented"]
+    saved = json.loads(next(n for n in wf["nodes"] if n["id"] == STACK_ID)["widgets_values"][0])
+    a, b = saved[0]["lora"], saved[1]["lora"]
+    _check_stack_shows(st["stack"], saved, "loaded")
+
+    rows = _vue_stack_stage(vue_stack_session, "rows")
+    steps = [("added", [(True, a), (False, b), (True, b)]),  # the new row takes the last row's file
+             ("toggledOff", [(False, a), (False, b), (True, b)]),
+             ("toggledOn", [(True, a), (False, b), (True, b)]),
+             # row 2 removed: the row after it moves up and shows its own values, not row 2's
+             ("removed", [(True, a), (True, b)])]
+    for key, want in steps:
+        _check_stack_shows(rows[key], [{"on": on, "lora": lora} for on, lora in want], key)
+    assert json.loads(rows["promptRows"]) == json.loads(rows["removed"]["rows"]), rows["promptRows"]
+    # the node follows its rows: taller with three, shorter again with two
+    assert rows["removed"]["size"][1] < rows["added"]["size"][1], (rows["added"]["size"], rows["removed"]["size"])
+    assert rows["removed"]["vueRect"]["h"] < rows["added"]["vueRect"]["h"]
+
+
+def test_vue_nodes_stack_run_shows_the_reports_in_the_nodes(vue_stack_session, comfy):
+    run = _vue_stack_stage(vue_stack_session, "run")
+    assert run["outcome"] == "execution_success" and run["queuedVia"].startswith("click "), run
+    outputs = _history_outputs(comfy, run["promptId"])
+    report = outputs[str(STACK_SAMPLER_ID)]["lora_report"][0]
+    coverage = outputs[str(STACK_ID)]["lora_coverage"]
+    rows = json.loads(run["stackAfter"]["rows"])
+    assert [ad["name"] for ad in report["adapters"]] == [r["lora"] for r in rows if r["on"]], report["adapters"]
+    assert len(coverage) == sum(r["on"] for r in rows)
+    for key, prop, payload in (("sampler", "lora_runtime_report", report), ("stack", "lora_coverage", coverage)):
+        shown = run[key]
+        assert shown["visibleReports"] == 1 and shown["lines"], (key, shown)
+        assert json.loads(shown["properties"][prop]) == payload, key
+        assert " | ".join(ln["text"] for ln in shown["lines"]) == shown["properties"]["lora_runtime_summary"], key
+    assert run["sampler"]["lines"][0]["text"].split()[0] in ("merged", "dynamic", "mixed"), run["sampler"]["lines"]
+
+
+def test_vue_nodes_stack_session_has_no_console_or_page_errors(vue_stack_session):
+    if vue_stack_session.get("available") is False:
+        pytest.skip("no Vue node renderer in this frontend: nothing ran")
+    assert vue_stack_session.get("finished"), f"the Vue stack driver did not finish: {vue_stack_session.get('error')}"
+    errors = [c for c in vue_stack_session["console"] if c["type"] == "error" and not _is_benign_console(c)]
+    ours = [c for c in vue_stack_session["console"]
+            if c["type"] in ("error", "warning") and OUR_EXTENSION_URL in (c.get("url") or "")]
+    stacks = vue_stack_session.get("consoleStacks")
+    assert stacks is not None, "the driver recorded no console stacks (CDP)"
+    ours += [c for c in stacks if any(OUR_EXTENSION_URL in (f.get("url") or "") for f in c["frames"])]
+    page_errors = [e for e in vue_stack_session["pageErrors"] if not _is_benign_page_error(e)]
+    assert not ours, json.dumps(ours, indent=1)
+    assert not errors, json.dumps(errors, indent=1)
+    assert not page_errors, json.dumps(page_errors, indent=1)
