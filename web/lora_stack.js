@@ -56,6 +56,12 @@ function rowsWidget(node) {
 
 function setRowsWidgetShown(w, shown) {
   w.hidden = !shown;
+  // the Vue node renderer of frontend 1.49 reads options.hidden (not widget.hidden): without it the
+  // rows JSON was shown there as a text box above the row widgets
+  quietly(() => {
+    if (!w.options || typeof w.options !== "object") w.options = {};
+    w.options.hidden = !shown;
+  });
   if (shown) {
     if (SAVED_SIZE in w) {
       w.computeSize = w[SAVED_SIZE];
@@ -85,6 +91,10 @@ function addRowWidget(node, tag, type, name, value, callback, options = {}) {
   if (!w) return null;
   w.serialize = false;
   w[ROW] = tag;
+  // Frontends 1.49+ keep widget values in a store keyed by node and widget name, and a new widget of
+  // a name still stored takes the stored value (1.49's removeWidget leaves it there): the row now at
+  // this place must show its own value, not the one a removed row left under this name.
+  if (value !== null && quietly(() => w.value) !== value) quietly(() => { w.value = value; });
   return w;
 }
 
