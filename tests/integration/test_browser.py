@@ -8,6 +8,9 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
 2. a UI-format workflow file is dragged onto the canvas: a ``drop`` event whose
    DataTransfer holds the File, dispatched on the canvas element (the editor's own
    document-level drop handler loads it) - our nodes keep their widget values;
+   then the title font: the one the canvas draws every title in (read off one redraw) is the
+   frontend's own, loaded and drawn as itself, the extension measures with it, and a node added
+   as the node list adds one is exactly as wide as its title in it needs;
 3. a PNG the pack saved (the bundled host's SaveImage, ``python -m comfyui_lora_runtime
    run``: ``prompt``/``workflow`` text chunks) is dropped the same way;
 4. the Run button is clicked; after execution_success the sampler shows its report
@@ -37,6 +40,13 @@ stage, and writes what it saw to a JSON file; the tests below check it stage by 
    and closes the dialog, and the Run button runs it with the report on the sampler;
 and no console/page errors beyond the listed benign ones.
 
+A second browser session (``tests/testkit/comfyui/editor_vue_stack.cjs``) runs the LoRA Stack in the
+Vue node renderer: ``workflows/embedded_style_stack.json`` dropped with ``Comfy.VueNodes.Enabled``
+on; + Add LoRA, a row's on/off toggle (off, then on) and a row's remove clicked in the Vue node (the
+rows JSON, the widgets and what the node shows agree after each); the Run button; the sampler's
+report and the stack's coverage inside their Vue nodes, equal to ``/history``. It skips, saying so,
+on a frontend without the Vue node renderer.
+
 Workflow: ``workflows/embedded_style.json`` with the embedded model when its files are
 in ``standalone/models/`` (tiny_wan_glyphs + its loras); until then the same graph on the reference
 tiny Wan (``tiny_wan_d128_l2``, as test_workflows_real) with a generated kohya adapter.
@@ -51,12 +61,15 @@ Environment (the tests skip, saying why, without them; nothing is downloaded):
   model is there;
 - ``LORA_RUNTIME_UPDATE_DOCS_SCREENSHOT=1``: also write ``docs/editor_lora_nodes.png``
   (otherwise the candidate goes to ``test-output/browser/`` only);
-- ``LORA_RUNTIME_DEJAVU_DIR``: the folder of DejaVuSans.ttf (default: found under /usr/share/fonts).
+- ``LORA_RUNTIME_DEJAVU_DIR``: the folder of DejaVuSans.ttf (default: found under /usr/share/fonts);
+- ``LORA_RUNTIME_FRONTEND_ROOT`` (read by the server harness): serve another frontend build, e.g.
+  the ``static`` folder of the ``comfyui_frontend_package`` 1.58.1 wheel (``--front-end-root``).
 
-Fonts: Chromium runs with a fontconfig file that holds DejaVu Sans only, so ComfyUI's "Arial"
-is drawn in DejaVu Sans, about 16 % wider than Arial's metrics (Liberation Sans): the widest
-common fallback. The saved workflow must load with no node grown past its saved size, every
-title whole, and no overlap, in that font.
+Fonts: Chromium runs with a fontconfig file that holds DejaVu Sans only, so a system family such as
+frontend 1.27's "Arial" is drawn in DejaVu Sans, about 16 % wider than Arial's metrics (Liberation
+Sans): the widest common fallback. Frontends 1.49 and 1.58 draw titles and labels in the Inter web
+font they ship (about 8 % narrower than DejaVu Sans). The saved workflow must load with no node
+grown past its saved size, every title whole, and no overlap, in either.
 
 Screenshots of every stage: ``test-output/browser/`` (gitignored).
 """
@@ -567,9 +580,10 @@ def test_titles_are_drawn_in_the_font_the_frontend_ships_with_no_fallback(editor
     assert node["titleWidth"] <= node["size"][0] - 2 * node["titleHeight"], node
 
 
-def test_dropped_workflow_keeps_its_saved_sizes_and_whole_titles_in_dejavu(editor_session, editor_assets):
-    """No node is grown past its saved size when it loads (the saved size holds its content in this
-    font), and every title is drawn whole (the canvas cuts a title wider than its room)."""
+def test_dropped_workflow_keeps_its_saved_sizes_and_whole_titles(editor_session, editor_assets):
+    """No node is grown past its saved size when it loads (the saved size holds its content in the
+    font the frontend draws: DejaVu Sans for 1.27's Arial here, Inter in 1.49+), and every title is
+    drawn whole (the canvas cuts a title wider than its room)."""
     st = _ok(editor_session, "drop_json")
     saved = {int(n["id"]): n for n in editor_assets["workflow"]["nodes"]}
     for n in st["graph"]["nodes"]:

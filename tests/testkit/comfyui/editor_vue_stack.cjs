@@ -152,7 +152,17 @@ function pageStackState(id) {
   const n = window.app.graph.getNodeById(id);
   const host = document.querySelector(`[data-node-id="${id}"]`);
   const rowsWidget = (n.widgets || []).find((w) => w.name === "rows");
-  const shown = (host ? [...host.querySelectorAll("[data-widget-name]")] : []).map((el) => {
+  // each widget element of the Vue node, named (1.58: data-widget-name; 1.49: its label or button text)
+  // in data-lora-it-name, which clickWidget's locator uses
+  const named = (host ? [...host.querySelectorAll('[data-testid="node-widget"]')] : []).map((el) => {
+    const label = el.querySelector('[data-testid="widget-layout-field-label"], label');
+    const button = el.querySelector("button");
+    const name = el.dataset.widgetName || (label && label.innerText.trim())
+      || (button && button.innerText.trim()) || "";
+    el.setAttribute("data-lora-it-name", name);
+    return el;
+  });
+  const shown = named.map((el) => {
     const pressed = el.querySelector('[aria-pressed="true"]');
     const sw = el.querySelector('[role="switch"], input[type="checkbox"]');
     const input = el.querySelector("input:not([type=checkbox]), textarea");
@@ -162,7 +172,7 @@ function pageStackState(id) {
     else if (sw) value = sw.getAttribute("aria-checked") ?? String(!!sw.checked);
     else if (combo) value = combo.innerText.trim();
     else if (input) value = input.value;
-    return { name: el.dataset.widgetName, value, text: el.innerText.replace(/\s+/g, " ").trim() };
+    return { name: el.getAttribute("data-lora-it-name"), value, text: el.innerText.replace(/\s+/g, " ").trim() };
   });
   return {
     rows: rowsWidget ? rowsWidget.value : null,
@@ -198,7 +208,8 @@ function pageVueReport(id) {
 
 /** Click a widget's control inside the stack's Vue node: a button widget, or one side of a toggle. */
 async function clickWidget(name, side = null) {
-  const w = page.locator(`[data-node-id="${cfg.stackId}"] [data-widget-name="${name}"]`).first();
+  await stackState(); // names the widget elements as they are now (data-lora-it-name)
+  const w = page.locator(`[data-node-id="${cfg.stackId}"] [data-lora-it-name="${name}"]`).first();
   await w.waitFor({ state: "visible", timeout: T.action });
   if (side === null) {
     await w.locator("button").first().click({ timeout: T.action });
@@ -229,8 +240,8 @@ async function afterEdit(rec, key, desc, want) {
   }, { id: cfg.stackId, want });
   await waitFor(`${desc}: the Vue node shows ${want.length} rows`, (a) => {
     const host = document.querySelector(`[data-node-id="${a.id}"]`);
-    const names = host ? [...host.querySelectorAll("[data-widget-name]")].map((e) => e.dataset.widgetName) : [];
-    return names.filter((x) => /^LoRA \d+$/.test(x)).length === a.n;
+    const labels = host ? [...host.querySelectorAll('[data-testid="node-widget"]')].map((e) => e.innerText.trim()) : [];
+    return labels.filter((x) => /^LoRA \d+\b/.test(x)).length === a.n;
   }, { id: cfg.stackId, n: want.length });
   await settle(800);
   rec[key] = await stackState();
