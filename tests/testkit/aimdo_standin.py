@@ -19,6 +19,17 @@ What it simulates:
   ``cudaHostUnregister`` succeed without doing anything (a CPU tensor stays a CPU tensor).
 - ``VRAMBuffer`` (the cast buffer ring) and the analysis / watermark calls: plain CPU buffers and no-ops.
 
+- the device split (`route_vbar_casts`): ComfyUI takes its vbar cast path only for a weight that is
+  not on the compute device; on one CPU both are the CPU, so ComfyUI's ``comfy.ops.cast_bias_weight`` is
+  wrapped to send every layer that carries a vbar range (``_v``) down that path: ComfyUI's own
+  ``cast_modules_with_vbar`` and ``resolve_cast_module_with_vbar`` (fault, pin, copy, its LoRA patch,
+  the write-back into the resident copy), then the bookkeeping ComfyUI does after them (prepared
+  patches cleared, the prefetch state dropped, the range unpinned by ``uncast_bias_weight``). Layers
+  without a range go to ComfyUI's function unchanged.
+- the eviction of one model's ranges when another model's faults need the room (`set_capacity` with
+  several vbars): a fault that does not fit first evicts the least recently faulted ranges of the
+  other vbars, then returns None (streamed) if it still does not fit.
+
 What it does not simulate: a second device (everything is CPU memory; the caller decides which
 code path counts as "on the device"), asynchronous copies and streams, the real page size (32 MiB:
 here a whole range is one page), memory pressure from other processes, and fault errors.
@@ -26,6 +37,7 @@ here a whole range is one page), memory pressure from other processes, and fault
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -37,7 +49,7 @@ class StandInVBAR:
     """comfy_aimdo.model_vbar.ModelVBAR on CPU memory (see module doc)."""
 
     capacity = None   # bytes that may be resident at once (None: no limit); set by `set_capacity`
-    instances: list = []
+    instances: "weakref.WeakSet" = weakref.WeakSet()   # every live vbar (a model's, per device)
 
     def __init__(self, size, device):
         self.device = device
@@ -48,7 +60,7 @@ class StandInVBAR:
         self._resident: "OrderedDict[int, int]" = OrderedDict()   # addr -> size, in fault order
         self._generation: dict[int, int] = {}
         self._gen = 0
-        StandInVBAR.instances.append(self)
+        StandInVBAR.instances.add(self)
 
     def prioritize(self, malloc_async_clamp=None):
         pass
@@ -74,9 +86,13 @@ class StandInVBAR:
             self._resident.move_to_end(addr)
             return _signature(self._generation[addr])
         cap = StandInVBAR.capacity
-        if cap is not None and self._resident_bytes() + size > cap:
-            STATS["oom"] += 1
-            return None
+        if cap is not None and _all_resident() + size > cap:
+            for other in list(StandInVBAR.instances):   # another model's ranges give way first
+                if other is not self:
+                    other.free_memory(_all_resident() + size - cap)
+            if _all_resident() + size > cap:
+                STATS["oom"] += 1
+                return None
         self._gen += 1
         self._generation[addr] = self._gen
         self._resident[addr] = size
@@ -94,7 +110,8 @@ class StandInVBAR:
             addr, size = self._resident.popitem(last=False)
             buf = self._backing.get(addr)
             if buf is not None:
-                buf.fill_(0xFF)   # the pages are gone: a reader that does not copy again gets garbage
+                with torch.inference_mode(False):
+                    buf.fill_(0xFF)   # the pages are gone: a reader that does not copy again gets garbage
             freed += size
             STATS["evicted_bytes"] += size
             STATS["evictions"] += 1
@@ -103,7 +120,8 @@ class StandInVBAR:
     def backing(self, addr, size) -> torch.Tensor:
         t = self._backing.get(addr)
         if t is None or t.numel() != size:
-            t = self._backing[addr] = torch.full((size,), 0xFF, dtype=torch.uint8)
+            with torch.inference_mode(False):   # memory, not a result: writable in and out of inference mode
+                t = self._backing[addr] = torch.full((size,), 0xFF, dtype=torch.uint8)
         return t
 
     def get_nr_pages(self):
@@ -120,6 +138,10 @@ class StandInVBAR:
 
     def set_watermark(self, size_bytes):
         pass
+
+
+def _all_resident() -> int:
+    return sum(v._resident_bytes() for v in list(StandInVBAR.instances))
 
 
 def _signature(gen: int):
@@ -142,7 +164,8 @@ class StandInHostBuffer:
 
     def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
         self.max = max(int(size), int(max_grow_size))
-        self._data = torch.zeros(self.max, dtype=torch.uint8) if self.max else torch.zeros(0, dtype=torch.uint8)
+        with torch.inference_mode(False):
+            self._data = torch.zeros(self.max, dtype=torch.uint8)
         self.size = 0
         if size:
             self.extend(size)
@@ -184,7 +207,8 @@ class StandInVRAMBuffer:
     def get(self, size, offset=0):
         need = int(size) + int(offset)
         if need > self._data.numel():
-            self._data = torch.empty(need, dtype=torch.uint8)
+            with torch.inference_mode(False):
+                self._data = torch.empty(need, dtype=torch.uint8)
         return (self, int(offset), int(size))
 
 
@@ -234,3 +258,41 @@ def install() -> None:
     comfy_aimdo.torch.aimdo_to_tensor = aimdo_to_tensor
     comfy_aimdo.torch.hostbuf_to_tensor = hostbuf_to_tensor
     torch.cuda.cudart = lambda: _CudaRT
+
+
+def route_vbar_casts(device) -> None:
+    """Send every cast of a layer with a vbar range down ComfyUI's vbar path (see module doc: the device
+    split). `device` is what ``uncast_bias_weight`` is told the weight was cast to."""
+    import comfy.ops
+
+    real = comfy.ops.cast_bias_weight
+    if getattr(real, "_standin", False):
+        return
+
+    def cast_bias_weight(s, input=None, dtype=None, device_=None, bias_dtype=None, offloadable=False,
+                         compute_dtype=None, want_requant=False):
+        if not hasattr(s, "_v"):
+            return real(s, input, dtype, device_, bias_dtype, offloadable, compute_dtype, want_requant)
+        if input is not None:
+            dtype = input.dtype if dtype is None else dtype
+            bias_dtype = dtype if bias_dtype is None else bias_dtype
+            device_ = input.device if device_ is None else device_
+        STATS["vbar_casts"] = STATS.get("vbar_casts", 0) + 1
+        comfy.ops.cast_modules_with_vbar([s], dtype, device_, bias_dtype, False)
+        weight, bias = comfy.ops.resolve_cast_module_with_vbar(s, dtype, device_, bias_dtype, compute_dtype,
+                                                               want_requant)
+        for key in ("weight", "bias"):
+            fn = getattr(s, key + "_lowvram_function", None)
+            if fn is not None:
+                fn.clear_prepared()
+        del s._prefetch
+        return (weight, bias, (None, device, None)) if offloadable else (weight, bias)
+
+    cast_bias_weight._standin = True
+    comfy.ops.cast_bias_weight = cast_bias_weight
+
+
+def reset() -> None:
+    """Zero the counters."""
+    for k in list(STATS):
+        STATS[k] = 0
