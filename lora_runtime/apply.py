@@ -31,6 +31,7 @@ from .files.param_deltas import ParamDelta
 from .param_patch import ParamPatch
 from .decision.cache import DecisionCache
 from .decision.policy import MergeDecision, decide
+from .layer.base_weight import staged_reason
 from .layer.runtime_context import runtime_context
 from .intent import AdapterSpec, Intent
 from .layer.schedule import Branch
@@ -67,6 +68,10 @@ class Plan:
     restore: RestoreMemory = DEFAULT_RESTORE_MEMORY   # what a merge keeps to restore the weight
     # module name -> the host's stochastic-rounding seed for a merge into a quantized weight (None: 0)
     requant_seed: "Callable[[str], int] | None" = None
+    # (module name, module) -> why its weight must not be merged into, asked when the adapters go on
+    # (after the host loaded the model: what it staged is known then); '' for none. Set by a host that
+    # stages weights itself (ComfyUI's dynamic VRAM); it wins over `merge_refusals` where both name a layer
+    layer_refusal: "Callable[[str, nn.Module], str] | None" = None
 
     def modules(self) -> list[str]:
         """Modules that get a wrapper (parameter deltas are not modules)."""
@@ -123,6 +128,7 @@ class ApplyReport:
     params: list[dict] = field(default_factory=list)   # parameter deltas merged (norms, modulation)
     mounted: object = field(default=None, repr=False)   # the mounted fusion sites while applied
     kept: bool = False   # resumed from the state the last sampling left on (lora_runtime.resident)
+    layers: list[dict] = field(default_factory=list)   # what happened per layer (`layer_outcomes`)
 
     def to_dict(self) -> dict:
         return {
@@ -138,7 +144,37 @@ class ApplyReport:
             "fusions": self.mounted.report() if self.mounted is not None else self.fusions,
             "params": self.params,
             "kept": self.kept,
+            "layers": self.layers,
         }
+
+
+def refusal_label(why: str) -> str:
+    """The short label of a merge refusal: the text before its first ': ' (e.g. 'streamed (dynamic
+    VRAM)'), or 'kept dynamic' when it has none."""
+    head, sep, _ = why.partition(": ")
+    return head if sep and len(head) <= 48 else "kept dynamic"
+
+
+def layer_outcomes(wrappers: list[AdaptedLayer]) -> list[dict]:
+    """What happened per adapted layer, grouped: {"what": "<label>: <outcome>" or "<outcome>",
+    "layers": n, "names": every layer's name, "why": the refusal in full or ''}, most layers first.
+    Outcome: merged, dynamic, merged + dynamic (some adapters of the layer merged), offset only (a
+    bias offset added at run time), off (strength 0). Label: why the layer took no merge, when the host
+    refused it (`merge_refusal`) or stages its weight itself (`base_weight.staged_reason`)."""
+    groups: dict[str, dict] = {}
+    for w in wrappers:
+        slots = w.weight_slots()
+        merged = sum(1 for s in slots if s.merged)
+        if not slots:
+            outcome = "offset only" if w.has_output_offset else "off"
+        else:
+            outcome = "merged" if merged == len(slots) else "dynamic" if merged == 0 else "merged + dynamic"
+        why = w.merge_refusal or staged_reason(w)
+        what = f"{refusal_label(why)}: {outcome}" if why else outcome
+        g = groups.setdefault(what, {"what": what, "layers": 0, "names": [], "why": why})
+        g["layers"] += 1
+        g["names"].append(w.layer_name)
+    return sorted(groups.values(), key=lambda g: (-g["layers"], g["what"]))
 
 
 class LoraInjector:
@@ -214,7 +250,8 @@ class LoraInjector:
             self._unwrap(name)
         for name, entries in wanted.items():
             w = self.wrappers.get(name) or self._wrap(name)
-            w.merge_refusal = p.merge_refusals.get(name, "")
+            w.merge_refusal = (p.layer_refusal(name, w.get_base_layer()) if p.layer_refusal is not None
+                               else "") or p.merge_refusals.get(name, "")
             w.restore_copy = p.restore is RestoreMemory.COPY
             w.merge_tier = p.tier
             w.requant_seed = p.requant_seed(name) if p.requant_seed is not None else 0
@@ -253,6 +290,7 @@ class LoraInjector:
             patch_seconds=time.perf_counter() - t0,
             params=[{"param": n, "adapters": sorted({a for a, _, _ in pp.entries}),
                      "share_lost": round(pp.share_lost, 4)} for n, pp in self.params.items()],
+            layers=layer_outcomes(wrappers),
         )
         return report
 
@@ -266,8 +304,9 @@ class LoraInjector:
                 if isinstance(la, ParamDelta):
                     if named is None:
                         named = dict(self.model.named_parameters())
-                    params.setdefault(target, ParamPatch(target, named[target])).add(
-                        pa.name, la, pa.strength_of(target) if pa.spec.enabled else 0.0)
+                    if target not in params:
+                        params[target] = ParamPatch(target, named[target], cast_site=_cast_site(self.model, target))
+                    params[target].add(pa.name, la, pa.strength_of(target) if pa.spec.enabled else 0.0)
         return params
 
     def merge_params(self, params: dict[str, ParamPatch]) -> None:
@@ -308,6 +347,16 @@ class LoraInjector:
             for d in done:
                 d.unmerge()
             raise
+
+
+def _cast_site(model: nn.Module, target: str) -> tuple | None:
+    """(module, 'weight' | 'bias') when `target` is a weight or bias of a module whose weights the host
+    stages itself (ComfyUI dynamic VRAM): its delta rides at cast time (`ParamPatch`); else None."""
+    owner, _, attr = target.rpartition(".")
+    if attr not in ("weight", "bias"):
+        return None
+    module = model.get_submodule(owner) if owner else model
+    return (module, attr) if staged_reason(module) else None
 
 
 @contextlib.contextmanager

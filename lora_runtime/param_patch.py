@@ -16,6 +16,12 @@ Contract
   it: a sub-ulp norm delta merged into bf16 is visible, never silent).
 - A parameter that is not a plain float tensor (quantized, fp8, meta) refuses the merge
   with an error naming it.
+- A weight or bias of a module whose weights the host stages itself (`cast_site`: ComfyUI dynamic
+  VRAM streams the module through a virtual-VRAM range and copies of it) is never written: its
+  deltas ride as a cast-time patch on the module's own ``weight_function`` / ``bias_function`` list
+  (``p + sum_i strength_i * delta_i`` in fp32, rounded once to the cast dtype, at every cast), and
+  ``restore()`` takes that patch off. A write into the stored tensor would miss the host's staged
+  copies, and would stay in them after the restore.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 
 from .errors import MergeRefusedError
 from .files.param_deltas import ParamDelta
-from .layer.base_weight import float_view, own_storage, packed_reason
+from .layer.base_weight import float_view, instance_list, own_storage, packed_reason
 from .layer.merge import RestoreRecord, merge_weight, restore_weight, rounding_loss_sums
 
 
@@ -36,11 +42,13 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 class ParamPatch:
     """The merged deltas of every adapter on one parameter."""
 
-    def __init__(self, name: str, param: torch.Tensor):
+    def __init__(self, name: str, param: torch.Tensor, cast_site: tuple | None = None):
         self.name = name
         self.param = param
+        self.cast_site = cast_site   # (module, "weight" | "bias") when the host stages the module's weights
         self.entries: list[tuple[str, ParamDelta, float]] = []   # (adapter name, delta, strength)
         self._restore: RestoreRecord | None = None
+        self._cast_fn = None         # the cast-time patch while on (cast_site only)
         self.share_lost = 0.0
 
     def add(self, adapter: str, delta: ParamDelta, strength: float) -> None:
@@ -48,7 +56,7 @@ class ParamPatch:
 
     @property
     def merged(self) -> bool:
-        return self._restore is not None
+        return self._restore is not None or self._cast_fn is not None
 
     def _view(self) -> torch.Tensor | None:
         """The parameter as a plain float tensor (a view: writes reach it; a GGUF F32/F16/BF16
@@ -73,14 +81,41 @@ class ParamPatch:
                                     "model in bf16/fp16/fp32 (a GGUF F16/BF16 file works too)")
         if self.merged or not any(s != 0.0 for _, _, s in self.entries):
             return
-        own_storage(p)  # a GGUF file's read-only map is never written
         view = _as_rows(self._view())
         err, tot = rounding_loss_sums(view, self._rows)
         self.share_lost = (err / tot) ** 0.5 if tot > 0 else 0.0
         who = ", ".join(sorted({a for a, _, _ in self.entries}))
+        if self.cast_site is not None:
+            self._patch_at_cast(who)
+            return
+        own_storage(p)  # a GGUF file's read-only map is never written
         self._restore = merge_weight(view, self._rows, what=f"adapter(s) {who}: parameter {self.name}")
 
+    def _patch_at_cast(self, who: str) -> None:
+        module, attr = self.cast_site
+        lst = instance_list(module, f"{attr}_function")
+        if lst is None:
+            raise MergeRefusedError(f"adapter(s) {who}: parameter {self.name}: the host stages this module's "
+                                    f"weights itself and its {type(module).__name__} takes no {attr} patch at cast "
+                                    "time, so its delta cannot be applied")
+        delta = self._rows(slice(None)).reshape(self.param.shape)
+        if not bool(torch.isfinite(delta).all()):
+            raise MergeRefusedError(f"adapter(s) {who}: parameter {self.name}: the delta is not finite (inf/NaN)")
+
+        def at_cast(t: torch.Tensor) -> torch.Tensor:
+            return (t.to(torch.float32) + delta.to(t.device)).to(t.dtype)
+
+        lst.append(at_cast)
+        self._cast_fn = at_cast
+
     def restore(self) -> None:
+        if self._cast_fn is not None:
+            module, attr = self.cast_site
+            lst = getattr(module, f"{attr}_function", None)
+            if isinstance(lst, list) and self._cast_fn in lst:
+                lst.remove(self._cast_fn)
+            self._cast_fn = None
+            return
         if self._restore is None:
             return
         restore_weight(_as_rows(self._view()), self._restore, self._rows, what=f"parameter {self.name}")

@@ -32,6 +32,7 @@ from ..lora_runtime import applied, compile_watch, plan_intent, resident
 from ..lora_runtime.errors import LoraRuntimeError
 from ..lora_runtime.intent import Intent
 from ..lora_runtime.layer import ran_guard
+from ..lora_runtime.layer.base_weight import staged_reason
 from ..lora_runtime.layer.schedule import Branch, SamplingSchedules, model_call_context, sampling_schedules
 from ..lora_runtime.layer.wrapper import attached_wrapper
 from . import report as report_mod
@@ -118,9 +119,25 @@ def store_report(patcher, report: dict) -> None:
     setattr(patcher, _REPORT_ATTR, report)
 
 
-COMFY_PATCHED = ("ComfyUI patches this weight itself (a LoraLoader or other model patch upstream) and may "
-                 "put its own backup back into it if it offloads the layer mid-run, so our adapter stays "
-                 "dynamic on it")
+COMFY_PATCHED = ("ComfyUI patch beside ours: ComfyUI patches this weight itself (a LoraLoader or other model "
+                 "patch upstream) and may put its own backup back into it if it offloads the layer mid-run, so "
+                 "our adapter stays dynamic on it")
+RESTAGED = ("re-staged at every load (dynamic VRAM): ComfyUI's dynamic VRAM loader copies this weight to the "
+            "device at every load and puts its own backup back first, so a merge kept between runs would be "
+            "dropped; the adapter runs dynamic")
+
+
+def is_dynamic_vram(patcher) -> bool:
+    """Does the host stage this MODEL's weights itself (ComfyUI's ModelPatcherDynamic)?"""
+    fn = getattr(patcher, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def dynamic_vram_refusal(name: str, module) -> str:
+    """Why a layer of a MODEL under ComfyUI's dynamic VRAM takes no merge, asked after the host loaded
+    it: a weight staged through the virtual VRAM bar is streamed; any other one (a small weight the
+    loader copies to the device at every load, from its backup) is re-staged (docs/dynamic_vram.md)."""
+    return staged_reason(module) or RESTAGED
 
 
 def host_patched_layers(patcher) -> dict[str, str]:
@@ -144,6 +161,8 @@ def _plan(patcher, want):
     p = plan_intent(dm, want, loader=ADAPTERS.load)
     p.merge_refusals = host_patched_layers(patcher)
     p.requant_seed = host.requant_seed
+    if is_dynamic_vram(patcher):  # every weight is staged by the host: nothing is merged (per layer on the report)
+        p.layer_refusal = dynamic_vram_refusal
     return p
 
 
@@ -162,6 +181,7 @@ class _Window:
         self.report = None      # the ApplyReport once applied
         self.t0 = None
         self.since = None       # ran_guard.snapshot right after the adapters went on
+        self.evict_after = ""   # the host unloaded the model mid-sampling: take the adapters off at the end
 
     def apply(self) -> None:
         self.t0 = time.perf_counter()
@@ -178,7 +198,7 @@ def kept_key(want, p) -> tuple:
     (files, strengths, schedules, blocks, mode, tier, restore memory), the content each file had
     when planned, and the layers the host patches itself."""
     return (want, tuple((pa.name, pa.adapter.content_hash, tuple(pa.adapter.notes)) for pa in p.adapters),
-            tuple(sorted(p.merge_refusals.items())))
+            tuple(sorted(p.merge_refusals.items())), p.layer_refusal is not None)
 
 
 def on_detach(patcher, unpatch_all: bool) -> None:
@@ -196,6 +216,13 @@ def on_detach(patcher, unpatch_all: bool) -> None:
     window = _WINDOW.get()
     if unpatch_all:
         why = "the host unloaded the model"
+        if window is not None and window.dm is dm and window.report is not None and not any(
+                w.merged for w in state.injector.wrappers.values()):
+            # unloaded while this very sampling runs it (dynamic VRAM frees a model in use when another
+            # loads, and the sampling goes on casting its weights): nothing of ours is in its weights,
+            # so the adapters stay until the sampling ends, then come off
+            window.evict_after = why
+            return
     elif window is None or window.dm is not dm or window.key != state.key:
         why = "another MODEL on the same weights is being loaded"
     else:
@@ -224,6 +251,11 @@ def outer_sample_wrapper(executor, *args, **kwargs):
             return executor(*args, **kwargs)
     finally:
         _WINDOW.reset(token)
+        if window.evict_after:
+            try:
+                resident.evict(window.dm, window.evict_after)
+            except LoraRuntimeError as e:  # the next sampling of this model says it
+                log.error("LoRA runtime: %s", e)
 
 
 def prepare_sampling_wrapper(executor, *args, **kwargs):

@@ -55,6 +55,7 @@ def build(report: ApplyReport | None, *, mode: str, tier: str, host: str, sample
         "fusions": {"mounted": len(mounted), "sites": mounted,
                     "skipped": len(skipped), "skip_reasons": sorted({f.get("skipped", "") for f in skipped})},
         "params": d.get("params", []),
+        **({"layers": d["layers"]} if d.get("layers") else {}),
         "patch_seconds": d["patch_seconds"],
         **({"adapters_kept": True} if d.get("kept") else {}),
         "restore_bytes": d["restore_bytes"],
@@ -81,6 +82,19 @@ def host_patched_line(hp: dict) -> str:
             f"({names}): ComfyUI applies its patch to the weight, ours stays dynamic on top")
 
 
+def layer_lines(groups: list[dict]) -> list[str]:
+    """One line per group of layers that share what happened to them ('12 layers streamed (dynamic
+    VRAM): dynamic (a, b, c and 9 more)'), when the layers did not all do the same plain thing."""
+    if len(groups) == 1 and ":" not in groups[0]["what"]:
+        return []   # every layer merged, or every layer dynamic: the decision line says it
+    out = []
+    for g in groups:
+        names = g.get("names") or []
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        out.append(f"  {g['layers']} layer{'s' if g['layers'] != 1 else ''} {g['what']} ({shown})")
+    return out
+
+
 def clip_lines(adapters) -> dict[str, str]:
     """Planned name -> clip line of intent entries (the planner's names: a repeated name gets #2, #3...)."""
     out, used = {}, set()
@@ -104,6 +118,7 @@ def text(r: dict) -> str:
         lines.append(f"  {dec['kept_dynamic']} layers kept dynamic: {dec['kept_dynamic_reason']}")
     if (r.get("host_patched") or {}).get("layers"):
         lines.append(host_patched_line(r["host_patched"]))
+    lines.extend(layer_lines(r.get("layers") or []))
     if dec.get("shared_cache"):
         lines.append(f"  decision from the shared cache for {dec['shared_cache']} adapter(s); "
                      f"{dec.get('measured', 0)} measured here")

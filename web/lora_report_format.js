@@ -378,6 +378,25 @@ export const formatHostPatched = safe((hp) => {
   return { text: `${n} layer${n === 1 ? "" : "s"} with a ComfyUI patch beside ours (kept dynamic)`, level: "info", title };
 }, null);
 
+/**
+ * What happened per layer (`layers`), for the groups that took no merge for a reason of the host's
+ * ('streamed (dynamic VRAM): dynamic', 're-staged at every load (dynamic VRAM): dynamic', ...): one badge,
+ * every such group counted, the layers and the reasons in the hover text; null when there is none.
+ */
+export const formatLayers = safe((groups) => {
+  const gs = list(groups).filter((g) => isObj(g) && str(g.what).includes(": ") && num(g.layers));
+  if (!gs.length) return null;
+  const text = gs.map((g) => `${num(g.layers)} layer${num(g.layers) === 1 ? "" : "s"} ${str(g.what)}`).join(" · ");
+  const title = [];
+  for (const g of gs) {
+    title.push(`${str(g.what)}${g.why ? ` — ${str(g.why)}` : ""}`);
+    const names = list(g.names).map((x) => str(x)).filter(Boolean);
+    for (const n of names.slice(0, 8)) title.push(`  • ${n}`);
+    if (num(g.layers) > Math.min(8, names.length)) title.push(`  … and ${num(g.layers) - Math.min(8, names.length)} more`);
+  }
+  return { text, level: "info", title: title.join("\n") };
+}, null);
+
 /** Patch time and seconds per step; null when the report has no timings. */
 export const formatTimings = safe((report) => {
   const r = isObj(report) ? report : {};
@@ -514,6 +533,9 @@ export const formatReport = safe(
 
     const hostPatched = formatHostPatched(report.host_patched);
     if (hostPatched) out.push({ key: "host_patched", ...hostPatched });
+
+    const layers = formatLayers(report.layers);
+    if (layers) out.push({ key: "layers", ...layers });
 
     const ranCheck = formatRanCheck(report.ran_check);
     if (ranCheck) out.push({ key: "ran_check", ...ranCheck });

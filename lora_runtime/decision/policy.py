@@ -18,8 +18,9 @@ names in plan order, which is merge order):
 - An adapter whose strength changes over the steps or per CFG branch (`varying`, see
   `schedule`) stays dynamic in ``auto`` (the reason says why) and is refused by ``merge``:
   a merge would have to be redone at every change.
-- In every mode, layers the host refuses (`AdaptedLayer.merge_refusal`) stay dynamic for
-  every adapter (`kept_dynamic`).
+- In every mode, layers the host refuses (`AdaptedLayer.merge_refusal`) and layers whose weight
+  the host stages itself (`base_weight.staged_reason`: ComfyUI dynamic VRAM) stay dynamic for
+  every adapter (`kept_dynamic`); the others are decided as above.
 
 The actual merge folds the merged adapters of a layer with one rounding
 (round(W + sum dW_i)); restore is bit for bit with any mix of merged and dynamic slots.
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, MergeRefusedError
-from ..layer.base_weight import float_view, quant_layout, stored_tensors
+from ..layer.base_weight import float_view, quant_layout, staged_reason, stored_tensors
 from ..layer.merge import content_key
 from ..settings import AUTO_MERGE_MAX_ROUNDING_LOSS, MergeMode
 from ..layer.wrapper import AdaptedLayer
@@ -271,7 +272,9 @@ def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache |
         return _counted(_summary(mode, each("dynamic", why), n, {}, why, off=off), measured, notes)
     # a host refusal (the host patches that weight itself) keeps that layer dynamic; a weight
     # that cannot take a merge at all (quantized, packed, fp8) is judged for the whole set
-    soft = {w.layer_name: w.merge_refusal for w in wrappers if getattr(w, "merge_refusal", "")}
+    # (the host's own refusals, and weights the host stages itself: ComfyUI dynamic VRAM streams them)
+    soft = {w.layer_name: why for w in wrappers
+            for why in [getattr(w, "merge_refusal", "") or staged_reason(w)] if why}
     rest = [w for w in wrappers if w.layer_name not in soft]
     refused = [(w.layer_name, why) for w in rest for ok, why in [mergeable(w)] if not ok]
     # per adapter: (first refused layer, why, how many of its own layers are refused)

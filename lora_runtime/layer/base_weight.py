@@ -32,9 +32,16 @@ Contract
   patched weight, the host's own dequantization in fp32 (``writable`` False): a
   ``QuantizedTensor``'s ``dequantize()`` at fp32, a GGUF layer's ``get_weight(weight, dtype)``,
   an fp8 cast times its ``scale_weight`` (ComfyUI 0.3.x's scaled fp8 ops, through
-  ``convert_weight``), then its ``weight_function`` patches. A dequantized copy carries ``key``: the identity of the
+  ``convert_weight``), then the host's per-cast patches in the host's order: its
+  ``weight_lowvram_function`` (ComfyUI dynamic VRAM's LoRA patch), then its ``weight_function``
+  list. A dequantized copy carries ``key``: the identity of the
   stored weight (storage, in-place version, patches), so caches of values derived from
   it (DoRA norms) hold across calls instead of following each fresh copy.
+- `staged_reason(layer)`: '' unless the host stages the weight itself between the stored tensor
+  and the layer's computation (ComfyUI dynamic VRAM: a virtual-VRAM range ``_v`` or a
+  ``weight_lowvram_function``): then ``STREAMED``, why a merge into the stored weight is refused.
+- `instance_list(layer, attr)`: the layer's own ``weight_function`` / ``bias_function`` list to
+  append to (a list shared through the class is copied onto the layer first), or None.
 """
 from __future__ import annotations
 
@@ -185,6 +192,36 @@ def wrapped(layer: nn.Module) -> nn.Module:
     return layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
 
 
+#: Why a weight the host stages itself (ComfyUI dynamic VRAM) takes no merge; the text before the
+#: first ': ' is the report's short label.
+STREAMED = ("streamed (dynamic VRAM): ComfyUI casts this weight from its host copy at every call or keeps a "
+            "patched copy of it in VRAM that it may evict and copy again, so a merge into the stored weight would "
+            "not reach what the layer computes with and could not be put back into ComfyUI's staged copies; the "
+            "adapter runs dynamic on top of ComfyUI's cast")
+
+
+def staged_reason(layer: nn.Module) -> str:
+    """'' unless the host stages this (wrapped) layer's weight itself (see module doc)."""
+    base = wrapped(layer)
+    if hasattr(base, "_v") or getattr(base, "weight_lowvram_function", None) is not None:
+        return STREAMED
+    return ""
+
+
+def instance_list(layer: nn.Module, attr: str) -> list | None:
+    """The layer's own `attr` list (``weight_function`` / ``bias_function``) to append to, or None
+    when it has none. ComfyUI's cast ops declare empty lists on the class, and its dynamic VRAM
+    loader gives a layer its own list only when it stages the weight: appending to the class's
+    list would patch every layer of that class, so a shared list is copied onto the layer first."""
+    lst = getattr(layer, attr, None)
+    if not isinstance(lst, list):
+        return None
+    if attr not in layer.__dict__:
+        lst = list(lst)
+        setattr(layer, attr, lst)
+    return lst
+
+
 #: Attributes of a layer whose weight is rescaled or dequantized per call (not used as stored).
 QUANT_ATTRS = ("scale_weight", "weight_scale", "quant_state", "qweight")
 #: Attributes of a tensor-parallel Linear: a fused GEMM would see one shard.
@@ -200,6 +237,9 @@ def float_weight_reason(layer: nn.Module) -> str:
         return why
     if getattr(base, "weight_function", None):
         return "weight has weight-function patches"
+    staged = staged_reason(base)
+    if staged:
+        return staged
     for attr in QUANT_ATTRS:
         if getattr(base, attr, None) is not None:
             return f"weight is scaled/quantized ({attr})"
@@ -221,6 +261,8 @@ def fused_read_reason(layer: nn.Module) -> str:
         return f"weight dtype {w.dtype}"
     if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
         return "weight/bias-function patches (computed at call time)"
+    if staged_reason(base):
+        return "weight is streamed (dynamic VRAM): cast by the host at call time"
     if getattr(base, "comfy_cast_weights", False):
         return "weights are cast/offloaded at call time"
     for attr in QUANT_ATTRS + SHARD_ATTRS:
@@ -239,7 +281,8 @@ def base_weight(layer: nn.Module) -> BaseWeight:
     w = base.weight
     if w is None:
         raise ValueError(f"{type(base).__name__} has no weight")
-    functions = list(getattr(base, "weight_function", None) or ())
+    lowvram = getattr(base, "weight_lowvram_function", None)
+    functions = ([lowvram] if lowvram is not None else []) + list(getattr(base, "weight_function", None) or ())
     scale = getattr(base, "scale_weight", None)
     view = float_view(w)
     if view is not None and not functions and scale is None:
@@ -263,7 +306,8 @@ def base_weight(layer: nn.Module) -> BaseWeight:
     key = ("dequantized", weight_identity(w), tuple(id(p) for p in patches), tuple(id(f) for f in functions),
            None if scale is None else weight_identity(scale))
     setattr(d, KEY_ATTR, key)
-    why = packed_reason(w) or ("weight has weight-function patches" if functions else "weight is scaled (scale_weight)")
+    why = packed_reason(w) or staged_reason(base) or ("weight has weight-function patches" if functions
+                                                      else "weight is scaled (scale_weight)")
     return BaseWeight(d, False, why)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import LoraRuntimeError
 from ..scaling import times
+from .base_weight import instance_list
 from .general_path import select
 from .runtime_context import current_context
 
@@ -29,16 +30,17 @@ class CastPatch:
 
 def patch_at_cast(layer) -> str:
     base = layer.get_base_layer()
-    wf, bf = getattr(base, "weight_function", None), getattr(base, "bias_function", None)
-    if not isinstance(wf, list):
+    if not isinstance(getattr(base, "weight_function", None), list):
         return f"its {type(base).__name__} takes no weight patch at cast time"
     if layer.is_conv:
         return "it is a convolution"
     if layer.cast_patch is not None:
         return ""
     dyn, offsets = layer.live_slots()
-    if offsets and not isinstance(bf, list):
+    if offsets and not isinstance(getattr(base, "bias_function", None), list):
         return f"an output offset (diff_b) rides on it and its {type(base).__name__} takes no bias patch"
+    wf = instance_list(base, "weight_function")   # never the list a class shares with all its layers
+    bf = instance_list(base, "bias_function") if offsets else None
 
     cache: dict = {}
 

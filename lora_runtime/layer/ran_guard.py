@@ -30,6 +30,7 @@ import weakref
 
 from ..compile_watch import graphs_compiled
 from ..errors import LoraRuntimeError
+from .base_weight import instance_list
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def first_call(run, wrappers, model=None, since: dict | None = None):
             patched.append(w)
         elif isinstance(getattr(w.get_base_layer(), "weight_function", None), list):
             probe = _Probe()
-            w.get_base_layer().weight_function.append(probe)
+            instance_list(w.get_base_layer(), "weight_function").append(probe)
             probes.append((w, probe, why))
         else:
             findings.append({"layer": w.layer_name, "handled": NOT_RUN, "why": why})

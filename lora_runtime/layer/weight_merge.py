@@ -24,7 +24,8 @@ from torch import nn
 from ..errors import MergeRefusedError, NonFiniteMergeError
 from ..scaling import times
 from . import quantized_merge
-from .base_weight import base_weight, float_weight_reason, own_storage, quant_layout, weight_identity, wrapped
+from .base_weight import (base_weight, float_weight_reason, own_storage, quant_layout, staged_reason,
+                          weight_identity, wrapped)
 from .merge import RestoreRecord, merge_weight, restore_weight
 
 
@@ -45,8 +46,9 @@ def mergeable(layer: nn.Module) -> tuple[bool, str]:
     w = getattr(base, "weight", None)
     if w is None:
         return False, "layer has no weight"
-    if getattr(base, "weight_lowvram_function", None) is not None or getattr(base, "_v", None) is not None:
-        return False, "weight is streamed and patched per call (ComfyUI dynamic VRAM)"
+    staged = staged_reason(base)
+    if staged:
+        return False, staged
     if quant_layout(w) is not None:  # merged as the host merges: re-quantized on the layout's grid
         if getattr(base, "weight_function", None):
             return False, "weight has weight-function patches"

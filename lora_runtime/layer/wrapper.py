@@ -284,9 +284,12 @@ class AdaptedLayer(nn.Module):
     def base_bias_to_subtract(self) -> tuple[bool, torch.Tensor | None]:
         """How x W^T is read off the base output: (True, None) it is the output (no bias),
         (True, b) the output minus b, (False, None) it cannot be: the host patches the weight or
-        bias per call (ComfyUI ``weight_function`` / ``bias_function``) or the bias is packed."""
+        bias per call (ComfyUI ``weight_function`` / ``bias_function``, dynamic VRAM's
+        ``*_lowvram_function``) or the bias is packed."""
         base = self.get_base_layer()
-        if getattr(base, "weight_function", None) or getattr(base, "bias_function", None):
+        if (getattr(base, "weight_function", None) or getattr(base, "bias_function", None)
+                or getattr(base, "weight_lowvram_function", None) is not None
+                or getattr(base, "bias_lowvram_function", None) is not None):
             return False, None
         b = self.bias
         if b is None:

@@ -348,3 +348,25 @@ test("host_patched: the layers with a ComfyUI patch beside ours, counted, as one
   const keys = fmt.formatReport({ ...fullReport(), host_patched: hp }).map((i) => i.key);
   assert.equal(keys.indexOf("host_patched"), keys.indexOf("settings") + 1);
 });
+
+test("layers: groups the host kept from a merge (dynamic VRAM), counted, one badge after host_patched", () => {
+  const groups = [
+    { what: "streamed (dynamic VRAM): dynamic", layers: 18, why: "ComfyUI casts this weight at every call",
+      names: Array.from({ length: 18 }, (_, i) => `blocks.${i}.ffn.0`) },
+    { what: "re-staged at every load (dynamic VRAM): dynamic", layers: 2, why: "copied at every load",
+      names: ["text_embedding.0", "head.head"] },
+    { what: "merged", layers: 3, names: ["a", "b", "c"] },
+  ];
+  const item = fmt.formatLayers(groups);
+  assert.equal(item.text, "18 layers streamed (dynamic VRAM): dynamic · 2 layers re-staged at every load (dynamic VRAM): dynamic");
+  assert.match(item.title, /streamed \(dynamic VRAM\): dynamic — ComfyUI casts this weight at every call\n  • blocks\.0\.ffn\.0/);
+  assert.match(item.title, /… and 10 more\nre-staged at every load/);
+  assert.match(item.title, /  • head\.head$/);
+  // the wrong answers: plain outcomes alone, nothing, or junk give no badge
+  assert.equal(fmt.formatLayers([{ what: "merged", layers: 3, names: [] }]), null);
+  assert.equal(fmt.formatLayers(undefined), null);
+  assert.equal(fmt.formatLayers("x"), null);
+  const report = { ...fullReport(), host_patched: { layers: 1, examples: ["x"], why: "w" }, layers: groups };
+  const keys = fmt.formatReport(report).map((i) => i.key);
+  assert.equal(keys.indexOf("layers"), keys.indexOf("host_patched") + 1);
+});

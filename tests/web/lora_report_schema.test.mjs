@@ -64,3 +64,13 @@ test("wrong answers fail: missing decision, bad share, bad mode, wrong types", (
   none.adapters = [];
   assert.deepEqual(validate(none, schema), []);
 });
+
+test("layers: per-layer groups follow the schema; a group without names or with 0 layers fails", () => {
+  const r = fullReport();
+  r.layers = [{ what: "streamed (dynamic VRAM): dynamic", layers: 2, names: ["a", "b"], why: "w" }];
+  assert.deepEqual(validate(r, schema), []);
+  const bad = fullReport();
+  bad.layers = [{ what: "dynamic", layers: 0 }];
+  const errors = validate(bad, schema);
+  assert.ok(errors.some((e) => /missing names/.test(e)) && errors.some((e) => /0 < 1/.test(e)), errors.join("; "));
+});
