@@ -13,10 +13,11 @@ from torch import nn
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 
+from testkit.hf_imports import hf_import
 from testkit.fixtures import TinyWanLike, linear_names, wan_native_to_diffusers
 
-peft = pytest.importorskip("peft", reason="peft is a test dependency: pip install -e '.[test]'")
-diffusers_loaders = pytest.importorskip("diffusers.loaders", reason="diffusers is a test dependency")
+peft = hf_import("peft", reason="peft is a test dependency: pip install -e '.[test]'")
+diffusers_loaders = hf_import("diffusers.loaders", reason="diffusers is a test dependency")
 
 
 def _diffusers_named(native: TinyWanLike) -> nn.Module:

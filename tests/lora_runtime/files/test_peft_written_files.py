@@ -10,9 +10,10 @@ import torch
 
 from comfyui_lora_runtime.lora_runtime import AdapterSpec, applied, plan
 
+from testkit.hf_imports import hf_import
 from testkit.fixtures import TinyWanLike
 
-peft = pytest.importorskip("peft", reason="peft is a test dependency: pip install -e '.[test]'")
+peft = hf_import("peft", reason="peft is a test dependency: pip install -e '.[test]'")
 
 X = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(5))
 TARGETS = ["q", "k", "v", "o", "ffn.0", "ffn.2"]
