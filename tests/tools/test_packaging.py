@@ -21,7 +21,7 @@ def _dist(req: str) -> str:
 
 
 def _test_imports() -> set[str]:
-    """Top-level modules the tests import or importorskip (the opt-in integration suite aside)."""
+    """Top-level modules the tests import, importorskip or hf_import (the opt-in integration suite aside)."""
     found = set()
     for f in (ROOT / "tests").rglob("*.py"):
         if "integration" in f.parts:
@@ -31,8 +31,8 @@ def _test_imports() -> set[str]:
                 found |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" and node.args \
-                    and isinstance(node.args[0], ast.Constant):
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and (getattr(node.func, "attr", "") == "importorskip" or getattr(node.func, "id", "") == "hf_import"):
                 found.add(str(node.args[0].value).split(".")[0])
     return found
 
