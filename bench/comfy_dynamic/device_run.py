@@ -50,10 +50,10 @@ sys.path.insert(0, str(REPO / "tests"))            # testkit: the model and LoRA
 
 
 def _ensure_package() -> None:
-    """`comfyui_lora_runtime` importable: installed, or a link to this checkout on sys.path."""
-    try:
-        import comfyui_lora_runtime  # noqa: F401
-    except ImportError:
+    """`comfyui_lora_runtime` importable (installed, or a link to this checkout on sys.path), not imported:
+    the pack picks its host when it is first imported, so ComfyUI must be importable before that."""
+    import importlib.util
+    if importlib.util.find_spec("comfyui_lora_runtime") is None:
         link_dir = Path(tempfile.mkdtemp(prefix="lora_runtime_pkg_"))
         (link_dir / "comfyui_lora_runtime").symlink_to(REPO, target_is_directory=True)
         sys.path.insert(0, str(link_dir))
@@ -65,7 +65,7 @@ import torch  # noqa: E402
 VARIANTS = ("bf16", "fp8", "nvfp4")
 QUANT_FORMATS = {"fp8": "float8_e4m3fn", "nvfp4": "nvfp4"}
 MODES, TIERS = ("auto", "merge", "dynamic"), ("lossless", "exact")
-GPU_DIMS = dict(dim=1536, ffn=8960, blocks=30, latent=(1, 16, 5, 60, 104), text_tokens=512, steps=6)
+GPU_DIMS = dict(dim=1536, ffn=8960, blocks=30, latent=(1, 16, 5, 60, 104), text_tokens=512, steps=4)
 DRY_DIMS = dict(dim=128, ffn=256, blocks=2, latent=(1, 16, 1, 8, 8), text_tokens=7, steps=3)
 RANK, SEED = 32, 42
 MIDRUN_STEP = 2
@@ -458,6 +458,10 @@ def main(argv=None) -> dict:
         comfy_dir, site, manifest = unpack_carry(args.carry, work)
         host = ComfyHost(comfy_dir, site, work)
         res.update(comfyui=host.version, device=torch.cuda.get_device_name(), carry=manifest.get("files"))
+    from comfyui_lora_runtime.nodes import host as pack_host
+    res["pack_host"] = pack_host.NAME
+    if pack_host.NAME != ("bundled" if args.dry_run else "comfyui"):
+        raise SystemExit(f"device_run: the pack runs on the {pack_host.NAME} host")
     counts = install_counters()
     files = write_assets(work, dims, variants, host.quantizer())
     for v in variants:
