@@ -32,6 +32,14 @@ the next one still runs; a part whose share of the budget is gone is "skipped: b
            shape, rank 32 x 1 adapter for the LoRA chain; max-autotune-no-cudagraphs
            at M = 4096 while the budget lasts), filled into the kernel rows
 
+Opt-in parts (run only when named in --parts):
+
+  comfy_dynamic  bench/comfy_dynamic/device_run.py: real ComfyUI 0.33 with dynamic VRAM on (its source
+           and the wheels the GPU machine lacks carried in bench/.carry/comfy_dynamic, built here by
+           bench/comfy_dynamic/build_carry.py): ours (auto / merge / dynamic x lossless / exact) vs
+           ComfyUI's own LoRA on a Wan-1.3B-dims model through UNETLoader, bf16 / fp8 / nvfp4; its
+           dry run is that script's --dry-run (the bundled host, CPU) plus build_carry.py --plan
+
 Outputs in DIR: device_check.json (everything), device_check.md (the tables),
 pytest.log, dit<i>.log/json, tuned_<family>.json.
 
@@ -112,8 +120,10 @@ TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
 PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "quantized": 40, "dit": 300,
-             "compile": 10 ** 6}
-PARTS = tuple(PART_CAPS)
+             "compile": 10 ** 6, "comfy_dynamic": 300}
+OPT_IN = ("comfy_dynamic",)   # run only when named in --parts
+ALL_PARTS = tuple(PART_CAPS)
+PARTS = tuple(p for p in ALL_PARTS if p not in OPT_IN)
 TARGETS = dict(lora_x_best_base=1.05, base_fused_x_eager=1 / 1.10, dit_dynamic_x_merged=1.04,
                dit_dynamic_x_merged_14b=1.03, dit_dynamic_x_merged_small=1.15, swap_x_repatch=1.0)
 
@@ -604,6 +614,51 @@ def part_compile(ctx) -> dict:
     return dict(rows=len(done))
 
 
+# ---------------------------------------------------------------- comfy_dynamic
+
+CARRY = ROOT / "bench" / ".carry" / "comfy_dynamic"
+
+
+def part_comfy_dynamic(ctx) -> dict:
+    """bench/comfy_dynamic/device_run.py (its --dry-run in a dry run, with build_carry.py --plan)."""
+    out = ctx.out / "comfy_dynamic"
+    script = HERE / "comfy_dynamic" / "device_run.py"
+    res: dict = {}
+    if ctx.dry:
+        proc = subprocess.run([sys.executable, str(HERE / "comfy_dynamic" / "build_carry.py"), "--plan"], cwd=ROOT,
+                              env=ENV, capture_output=True, text=True, timeout=120)
+        (ctx.out / "comfy_dynamic_carry.log").write_text(proc.stdout + proc.stderr)
+        body = proc.stdout[proc.stdout.index("{"):] if "{" in proc.stdout else "{}"
+        res["carry_plan"] = json.loads(body)
+        if proc.returncode != 0:
+            return dict(res, status="failed", error="build_carry.py --plan: " + (proc.stdout + proc.stderr)[-1500:])
+        cmd = [sys.executable, str(script), "--dry-run", "--out", str(out)]
+    else:
+        if not (CARRY / "manifest.json").is_file():
+            return dict(status="failed", error=f"no carry folder at {CARRY}: build it with "
+                                               "bench/comfy_dynamic/build_carry.py and name it in the device call's carry")
+        cmd = [sys.executable, str(script), "--carry", str(CARRY), "--out", str(out)]
+    log("running " + " ".join(cmd[1:]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=max(1.0, ctx.budget.for_part("comfy_dynamic")))
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (ctx.out / "comfy_dynamic.log").write_text(text)
+        raise OutOfTime("device_run.py did not finish") from None
+    (ctx.out / "comfy_dynamic.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return dict(res, status="failed", returncode=proc.returncode, error=(proc.stdout + proc.stderr)[-1500:])
+    run = json.loads((out / "comfy_dynamic.json").read_text())
+    bad = [v["variant"] for v in run["variants"] if "error" in v]
+    res.update(run=run, table=(out / "comfy_dynamic.md").read_text().splitlines(),
+               summary=", ".join(f"{v['variant']}: {'skipped' if 'skipped' in v else 'error' if 'error' in v else 'ok'}"
+                                 for v in run["variants"]))
+    if bad:
+        res.update(status="failed", error=f"variants failed: {bad}")
+    return res
+
+
 # ---------------------------------------------------------------- report
 
 def markdown(results: dict) -> str:
@@ -662,6 +717,10 @@ def markdown(results: dict) -> str:
     quant = results.get("parts", {}).get("quantized", {})
     if quant.get("lines"):
         lines += ["", "## Quantized bases (bench_quantized.py --device cuda)", ""] + [f"- {ln}" for ln in quant["lines"]]
+    cd = results.get("parts", {}).get("comfy_dynamic", {})
+    if cd.get("table"):
+        lines += ["", "## ComfyUI dynamic VRAM: ours vs ComfyUI's LoRA (bench/comfy_dynamic/device_run.py)", ""]
+        lines += [ln for ln in cd["table"] if not ln.startswith("# ")]
     crow = results.get("compile_rows", [])
     if crow and not crow[0].get("planned"):
         lines += ["", "## torch.compile baselines (× ours fused, same run)", "",
@@ -691,21 +750,22 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=480.0, help="total seconds for all parts")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(ALL_PARTS)} (default: all but {','.join(OPT_IN)})")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per arm")
     p.add_argument("--dry-run", action="store_true", help="plan every part and build its inputs; no CUDA")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("device_check: no CUDA device is visible (use --dry-run to check the plan on a CPU)")
     wanted = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = sorted(set(wanted) - set(PARTS))
+    unknown = sorted(set(wanted) - set(ALL_PARTS))
     if unknown:
-        raise SystemExit(f"device_check: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+        raise SystemExit(f"device_check: unknown part(s) {unknown}; choose from {', '.join(ALL_PARTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, Budget(args.budget_s), args.dry_run, args.repeats)
     funcs = dict(env=part_env, tests=part_tests, tune=part_tune, kernels=part_kernels, dit=part_dit,
-                 swap=part_swap, quantized=part_quantized, compile=part_compile)
-    for name in PARTS:
+                 swap=part_swap, quantized=part_quantized, compile=part_compile, comfy_dynamic=part_comfy_dynamic)
+    for name in ALL_PARTS:
         if name not in wanted and name != "env":
             continue
         if ctx.budget.for_part(name) <= 1:

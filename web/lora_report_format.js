@@ -381,10 +381,14 @@ export const formatHostPatched = safe((hp) => {
 /**
  * What happened per layer (`layers`), for the groups that took no merge for a reason of the host's
  * ('streamed (dynamic VRAM): dynamic', 're-staged at every load (dynamic VRAM): dynamic', ...): one badge,
- * every such group counted, the layers and the reasons in the hover text; null when there is none.
+ * every such group counted, the layers and the reasons in the hover text; null when there is none. Layers
+ * kept dynamic because ComfyUI patches them itself are the host_patched badge's.
  */
+const HOST_PATCHED_LABEL = "ComfyUI patch beside ours: ";   // the host_patched badge shows these already
+
 export const formatLayers = safe((groups) => {
-  const gs = list(groups).filter((g) => isObj(g) && str(g.what).includes(": ") && num(g.layers));
+  const gs = list(groups).filter((g) => isObj(g) && str(g.what).includes(": ") && num(g.layers)
+    && !str(g.what).startsWith(HOST_PATCHED_LABEL));
   if (!gs.length) return null;
   const text = gs.map((g) => `${num(g.layers)} layer${num(g.layers) === 1 ? "" : "s"} ${str(g.what)}`).join(" · ");
   const title = [];

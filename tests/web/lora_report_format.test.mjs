@@ -362,8 +362,10 @@ test("layers: groups the host kept from a merge (dynamic VRAM), counted, one bad
   assert.match(item.title, /streamed \(dynamic VRAM\): dynamic — ComfyUI casts this weight at every call\n  • blocks\.0\.ffn\.0/);
   assert.match(item.title, /… and 10 more\nre-staged at every load/);
   assert.match(item.title, /  • head\.head$/);
-  // the wrong answers: plain outcomes alone, nothing, or junk give no badge
+  // the wrong answers: plain outcomes alone, nothing, or junk give no badge; ComfyUI-patched layers are
+  // the host_patched badge's, not repeated here
   assert.equal(fmt.formatLayers([{ what: "merged", layers: 3, names: [] }]), null);
+  assert.equal(fmt.formatLayers([{ what: "ComfyUI patch beside ours: dynamic", layers: 2, names: ["a", "b"] }]), null);
   assert.equal(fmt.formatLayers(undefined), null);
   assert.equal(fmt.formatLayers("x"), null);
   const report = { ...fullReport(), host_patched: { layers: 1, examples: ["x"], why: "w" }, layers: groups };
