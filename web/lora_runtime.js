@@ -25,9 +25,12 @@
 //   same lines are rendered into a second element that is placed inside the Vue
 //   node's own element (its body, under the widgets), and put back there when the
 //   renderer re-creates the node's DOM. Nothing is added to node.widgets for it.
-//   Frontend 1.49's Vue renderer shows DOM widgets inside the node: where the DOM
-//   widget's element is inside the Vue node, that second element is left out (the
-//   report would be shown twice).
+//   Frontend 1.49's (and 1.58's) Vue renderer shows DOM widgets inside the node: where
+//   the DOM widget's element is inside the Vue node, that second element is left out
+//   (the report would be shown twice).
+// - A node added from the node list is made wide enough for its title, measured in the
+//   font the canvas draws titles in (titleFont: Inter since frontend 1.49, Arial in 1.27),
+//   once that web font has loaded.
 // - Setting "LoraRuntime.ShowBadges" hides / shows it; a change of
 //   Comfy.VueNodes.Enabled moves it between the two places.
 // No canvas draw hooks are used. Every frontend API use is guarded; nothing here

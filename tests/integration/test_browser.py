@@ -114,6 +114,10 @@ KNOWN_TITLE_FAMILIES = {(1, 27): "Arial", (1, 49): "Inter", (1, 58): "Inter"}
 WORKFLOW = REPO / "workflows" / "embedded_style.json"
 STACK_WORKFLOW = REPO / "workflows" / "embedded_style_stack.json"
 STACK_ID, STACK_SAMPLER_ID = 2, 8  # node ids in embedded_style_stack.json
+# Why the Vue stack session stops on frontends before 1.49 (seen on 1.27.10, where the setting is hidden):
+VUE_STACK_OLD_FRONTEND = ("its Vue node renderer (hidden, experimental) does not re-render a node's widgets that "
+                          "an extension adds or removes after the node is shown (+ Add LoRA changes the rows "
+                          "JSON, the Vue node keeps its old rows until the renderer is switched off and on)")
 API_WORKFLOW = REPO / "workflows" / "api" / "embedded_style.api.json"
 EMBEDDED_MODEL = REPO / "standalone" / "models" / "diffusion_models" / "tiny_wan_glyphs.safetensors"
 EMBEDDED_LORAS = REPO / "standalone" / "models" / "loras"
@@ -921,6 +925,7 @@ def vue_stack_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> 
         "samplerId": STACK_SAMPLER_ID,
         "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},
         "hardStopSeconds": int(300 + PROMPT_TIMEOUT_S),
+        "minFrontend": {"version": "1.49", "reason": VUE_STACK_OLD_FRONTEND},
     }
     cfg_path, res_path = work / "config.json", work / "results.json"
     cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
@@ -941,6 +946,8 @@ def vue_stack_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> 
 
 
 def _vue_stack_stage(session: dict, name: str) -> dict:
+    if session.get("skipped"):
+        pytest.skip(session["skipped"])
     if session.get("available") is False:
         pytest.skip(f"frontend {session['versions'].get('frontend')} has no Comfy.VueNodes.Enabled setting "
                     "(no Vue node renderer)")
@@ -1008,8 +1015,8 @@ def test_vue_nodes_stack_run_shows_the_reports_in_the_nodes(vue_stack_session, c
 
 
 def test_vue_nodes_stack_session_has_no_console_or_page_errors(vue_stack_session):
-    if vue_stack_session.get("available") is False:
-        pytest.skip("no Vue node renderer in this frontend: nothing ran")
+    if vue_stack_session.get("available") is False or vue_stack_session.get("skipped"):
+        pytest.skip(vue_stack_session.get("skipped") or "no Vue node renderer in this frontend: nothing ran")
     assert vue_stack_session.get("finished"), f"the Vue stack driver did not finish: {vue_stack_session.get('error')}"
     errors = [c for c in vue_stack_session["console"] if c["type"] == "error" and not _is_benign_console(c)]
     ours = [c for c in vue_stack_session["console"]

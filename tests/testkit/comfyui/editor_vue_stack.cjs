@@ -5,7 +5,8 @@
 //
 // CONFIG (written by the test): url, chromium, playwrightDir, userDataDir, fontconfigFile,
 // screenshotDir, workflow {path, name, expected}, stackId, samplerId, timeouts {action, load, run},
-// hardStopSeconds. `expected` is {nodeId: {type, widgets_values}}.
+// hardStopSeconds, minFrontend {version, reason} (older frontends: results.skipped, nothing run).
+// `expected` is {nodeId: {type, widgets_values}}.
 //
 // Stages, each recorded in RESULTS (a failed stage keeps its error and a screenshot; the test asserts):
 //   load    - the editor; whether this frontend has the Vue renderer at all (results.available);
@@ -96,8 +97,17 @@ async function settle(ms = 600) {
   await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
 }
 
-/** The canvas at `scale` with the given nodes' box in the middle (Vue nodes follow its transform). */
+/**
+ * The canvas at `scale` (less where the nodes would not fit) with the given nodes' box in the middle
+ * (Vue nodes follow its transform). Twice: a Vue node's height depends on the zoom it was measured at
+ * (1.27 draws fewer details far out), so the second pass measures it at about the final zoom.
+ */
 async function focusNodes(ids, scale = 1.0) {
+  await focusOnce(ids, scale);
+  await focusOnce(ids, scale);
+}
+
+async function focusOnce(ids, scale) {
   await page.evaluate((a) => {
     const c = window.app.canvas;
     const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
@@ -105,10 +115,13 @@ async function focusNodes(ids, scale = 1.0) {
     for (const id of a.ids) {
       const n = window.app.graph.getNodeById(id);
       if (!n) continue;
+      // a Vue node may be taller than node.size (1.27 draws its widgets larger)
+      const vue = document.querySelector(`[data-node-id="${id}"]`);
+      const h = Math.max(n.size[1], vue ? vue.getBoundingClientRect().height / c.ds.scale - th : 0);
       x0 = Math.min(x0, n.pos[0]);
       y0 = Math.min(y0, n.pos[1] - th);
       x1 = Math.max(x1, n.pos[0] + n.size[0]);
-      y1 = Math.max(y1, n.pos[1] + n.size[1]);
+      y1 = Math.max(y1, n.pos[1] + h);
     }
     const cw = c.canvas.clientWidth;
     const ch = c.canvas.clientHeight;
@@ -149,13 +162,14 @@ async function dropFile(filePath, name, mime) {
  * the checked switch of a toggle, a combo's text, an input's value).
  */
 function pageStackState(id) {
+  const WIDGET_ELEMENTS = '[data-testid="node-widget"], .lg-widget-container'; // 1.49+, 1.27
   const n = window.app.graph.getNodeById(id);
   const host = document.querySelector(`[data-node-id="${id}"]`);
   const rowsWidget = (n.widgets || []).find((w) => w.name === "rows");
-  // each widget element of the Vue node, named (1.58: data-widget-name; 1.49: its label or button text)
-  // in data-lora-it-name, which clickWidget's locator uses
-  const named = (host ? [...host.querySelectorAll('[data-testid="node-widget"]')] : []).map((el) => {
-    const label = el.querySelector('[data-testid="widget-layout-field-label"], label');
+  // each widget element of the Vue node, named (1.58: data-widget-name; 1.49 and 1.27: its label or
+  // button text) in data-lora-it-name, which clickWidget's locator uses
+  const named = (host ? [...host.querySelectorAll(WIDGET_ELEMENTS)] : []).map((el) => {
+    const label = el.querySelector('[data-testid="widget-layout-field-label"], label, p');
     const button = el.querySelector("button");
     const name = el.dataset.widgetName || (label && label.innerText.trim())
       || (button && button.innerText.trim()) || "";
@@ -208,6 +222,7 @@ function pageVueReport(id) {
 
 /** Click a widget's control inside the stack's Vue node: a button widget, or one side of a toggle. */
 async function clickWidget(name, side = null) {
+  await focusNodes([cfg.stackId]); // the whole node on screen, as it is now
   await stackState(); // names the widget elements as they are now (data-lora-it-name)
   const w = page.locator(`[data-node-id="${cfg.stackId}"] [data-lora-it-name="${name}"]`).first();
   await w.waitFor({ state: "visible", timeout: T.action });
@@ -240,7 +255,8 @@ async function afterEdit(rec, key, desc, want) {
   }, { id: cfg.stackId, want });
   await waitFor(`${desc}: the Vue node shows ${want.length} rows`, (a) => {
     const host = document.querySelector(`[data-node-id="${a.id}"]`);
-    const labels = host ? [...host.querySelectorAll('[data-testid="node-widget"]')].map((e) => e.innerText.trim()) : [];
+    const labels = host ? [...host.querySelectorAll('[data-testid="node-widget"], .lg-widget-container')]
+      .map((e) => e.innerText.trim()) : [];
     return labels.filter((x) => /^LoRA \d+\b/.test(x)).length === a.n;
   }, { id: cfg.stackId, n: want.length });
   await settle(800);
@@ -347,15 +363,31 @@ async function main() {
       });
     });
     if (!loaded || !results.available) return;
+    const older = (v, min) => {
+      const a = String(v || "0").split(".").map(Number);
+      const b = String(min).split(".").map(Number);
+      for (let i = 0; i < Math.max(a.length, b.length); i += 1) {
+        if ((a[i] || 0) !== (b[i] || 0)) return (a[i] || 0) < (b[i] || 0);
+      }
+      return false;
+    };
+    if (cfg.minFrontend && older(results.versions.frontend, cfg.minFrontend.version)) {
+      results.skipped = `frontend ${results.versions.frontend}: ${cfg.minFrontend.reason}`;
+      return;
+    }
 
     const shown = await stage("vue", async (rec) => {
+      // dropped first, then the renderer switched on (frontend 1.27's Vue layer does not follow a
+      // graph loaded while it is on: it keeps the previous graph's nodes)
+      await page.evaluate(() => window.app.graph.clear());
+      rec.dispatch = await dropFile(cfg.workflow.path, cfg.workflow.name, "application/json");
+      const ids = Object.keys(cfg.workflow.expected).map(Number);
+      await waitFor("the stack workflow's nodes", (a) => a.ids.every((id) => window.app.graph.getNodeById(id))
+        && window.app.graph.nodes.length === a.ids.length, { ids });
       rec.enabledValue = await page.evaluate(async (s) => {
         await window.app.extensionManager.setting.set(s, true);
         return window.app.extensionManager.setting.get(s);
       }, VUE_SETTING);
-      await page.evaluate(() => window.app.graph.clear());
-      rec.dispatch = await dropFile(cfg.workflow.path, cfg.workflow.name, "application/json");
-      const ids = Object.keys(cfg.workflow.expected).map(Number);
       await waitFor("every node of the stack workflow as a Vue node", (a) => a.ids.every(
         (id) => window.app.graph.getNodeById(id) && document.querySelector(`[data-node-id="${id}"]`)), { ids });
       await focusNodes([cfg.stackId]);
@@ -368,6 +400,26 @@ async function main() {
 
     // the saved workflow: [style on, distilled off]
     const rows = await stage("rows", async (rec) => {
+      // room under the stack for a third row, as a user drags the node below away (1.27's Vue nodes are
+      // taller than their saved size and cover the node below: clicks would land on that node)
+      rec.movedBelow = await page.evaluate((a) => {
+        const c = window.app.canvas;
+        const th = (window.LiteGraph && window.LiteGraph.NODE_TITLE_HEIGHT) || 30;
+        const s = window.app.graph.getNodeById(a.id);
+        const el = document.querySelector(`[data-node-id="${a.id}"]`);
+        const bottom = s.pos[1] - th + Math.max(s.size[1] + th, el.getBoundingClientRect().height / c.ds.scale) + a.room;
+        const moved = [];
+        for (const n of window.app.graph.nodes) {
+          if (n === s || n.pos[1] <= s.pos[1]) continue;
+          if (n.pos[0] >= s.pos[0] + s.size[0] || n.pos[0] + n.size[0] <= s.pos[0]) continue;
+          if (n.pos[1] - th >= bottom) continue;
+          moved.push({ id: n.id, from: [n.pos[0], n.pos[1]] });
+          n.pos = [n.pos[0], bottom + th];
+        }
+        c.setDirty(true, true);
+        return moved;
+      }, { id: cfg.stackId, room: 400 });
+      await settle();
       const [a, b] = JSON.parse((await stackState()).rows).map((r) => r.lora);
       rec.clicks = [];
       rec.clicks.push(await clickWidget("+ Add LoRA"));
@@ -417,7 +469,7 @@ const hardStop = setTimeout(() => {
 main()
   .then(() => {
     clearTimeout(hardStop);
-    results.finished = results.finished || results.available === false;
+    results.finished = results.finished || results.available === false || !!results.skipped;
     save();
     process.exit(0);
   })
