@@ -120,7 +120,7 @@ TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
 PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "quantized": 40, "dit": 300,
-             "compile": 10 ** 6, "comfy_dynamic": 300}
+             "compile": 10 ** 6, "comfy_dynamic": 420}
 OPT_IN = ("comfy_dynamic",)   # run only when named in --parts
 ALL_PARTS = tuple(PART_CAPS)
 PARTS = tuple(p for p in ALL_PARTS if p not in OPT_IN)

@@ -238,28 +238,45 @@ class DryHost(HostBase):
 class ComfyHost(HostBase):
     """Real ComfyUI 0.33 in this process, dynamic VRAM on (see module doc)."""
 
-    def __init__(self, comfy_dir: Path, site: Path, work: Path):
-        sys.path.insert(0, str(site))
+    def __init__(self, comfy_dir: Path, site: Path | None, work: Path, dynamic: bool = True):
+        if site is not None:
+            sys.path.insert(0, str(site))
         sys.path.insert(0, str(comfy_dir))
         import comfy.cli_args  # noqa: F401  (its defaults: this process parses no ComfyUI arguments)
         from comfy.cli_args import args
-        import comfy_aimdo.control
-        comfy_aimdo.control.init(nvml_pressure=not args.disable_nvml_pressure)
+        if not torch.cuda.is_available():
+            args.cpu = True
         import comfy.memory_management
         import comfy.model_management as mm
         import comfy.model_patcher as mp
-        ok = comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * 1024 ** 3))
-                                              for d in mm.get_all_torch_devices())
-        if not ok:
-            raise RuntimeError("comfy-aimdo found no device: dynamic VRAM cannot be switched on")
-        mp.CoreModelPatcher = mp.ModelPatcherDynamic
-        comfy.memory_management.aimdo_enabled = True
+        self.dynamic = "off: not asked for (--static)"
+        if dynamic:
+            self.dynamic = self._switch_on_dynamic_vram(args, mm, mp)
         import folder_paths
         folder_paths.add_model_folder_path("diffusion_models", str(work / "diffusion_models"), is_default=True)
         folder_paths.add_model_folder_path("loras", str(work / "loras"), is_default=True)
         self.mm, self.mp = mm, mp
+        self._device_peak = 0
         import comfyui_version
         self.version = comfyui_version.__version__
+
+    @staticmethod
+    def _switch_on_dynamic_vram(args, mm, mp) -> str:
+        """As ComfyUI's main.py does; "on", or "off: <why>" when comfy-aimdo cannot run here (the run
+        then goes on with the plain ModelPatcher, and every table says so)."""
+        import comfy.memory_management
+        try:
+            import comfy_aimdo.control
+            comfy_aimdo.control.init(nvml_pressure=not args.disable_nvml_pressure)
+            ok = comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * 1024 ** 3))
+                                                  for d in mm.get_all_torch_devices())
+        except Exception as e:  # noqa: BLE001  (recorded in the results, never hidden)
+            return f"off: comfy-aimdo failed to start: {type(e).__name__}: {e}"
+        if not ok:
+            return "off: comfy-aimdo found no device"
+        mp.CoreModelPatcher = mp.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+        return "on"
 
     def quantizer(self):
         from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
@@ -268,7 +285,8 @@ class ComfyHost(HostBase):
     def load(self, name: str):
         import nodes
         m = nodes.UNETLoader().load_unet(name, "default")[0]
-        assert m.is_dynamic(), f"UNETLoader gave a {type(m).__name__}: dynamic VRAM is not on"
+        if m.is_dynamic() != (self.dynamic == "on"):
+            raise RuntimeError(f"UNETLoader gave a {type(m).__name__} with dynamic VRAM {self.dynamic}")
         return m
 
     def comfy_lora(self, model, lora: str):
@@ -278,14 +296,19 @@ class ComfyHost(HostBase):
     def sample(self, model, dims, hook=None):
         import comfy.utils
         import nodes
+        # every step's progress update reaches the hook (0.33 throttles them to one per 100 ms)
+        for name in ("PROGRESS_THROTTLE_MIN_INTERVAL", "PROGRESS_THROTTLE_MIN_PERCENT"):
+            if hasattr(comfy.utils, name):
+                setattr(comfy.utils, name, 0)
         pos, neg = self.cond(dims)
         stamps = []
 
         def h(value, total, preview=None, *a, **k):
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                free, total_mem = torch.cuda.mem_get_info()
+                self._device_peak = max(self._device_peak, total_mem - free)
             stamps.append(time.perf_counter())
-            free, total_mem = torch.cuda.mem_get_info()
-            self._device_peak = max(self._device_peak, total_mem - free)
             if hook is not None:
                 hook(value)
         comfy.utils.set_progress_bar_global_hook(h)
@@ -311,11 +334,14 @@ class ComfyHost(HostBase):
         return {"error": "model not loaded"}
 
     def reset_memory(self):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         self._device_peak = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
 
     def memory(self):
+        if not torch.cuda.is_available():
+            return None
         return {"torch_peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 3),
                 "device_peak_gib": round(self._device_peak / 2 ** 30, 3)}
 
@@ -385,6 +411,8 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# ComfyUI {res.get('comfyui', '?')} dynamic VRAM: ours vs ComfyUI's LoRA "
              f"({'dry run, CPU' if res['dry_run'] else res.get('device', 'GPU')})", ""]
+    if "dynamic_vram" in res:
+        lines += [f"Dynamic VRAM: {res['dynamic_vram']}. Dims: {res['dims']}, rank {res['rank']}.", ""]
     for v in res["variants"]:
         if "skipped" in v or "error" in v:
             lines += [f"## {v['variant']}: {v.get('skipped') or v.get('error')}", ""]
@@ -439,9 +467,13 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--comfyui", type=Path, default=None,
+                   help="a ComfyUI checkout whose requirements this python has (instead of the carry)")
+    p.add_argument("--static", action="store_true", help="leave dynamic VRAM off (ComfyUI's plain ModelPatcher)")
+    p.add_argument("--tiny", action="store_true", help="the dry run's tiny dims on real ComfyUI (a CPU smoke)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    dims = dict(DRY_DIMS if args.dry_run else GPU_DIMS)
+    dims = dict(DRY_DIMS if args.dry_run or args.tiny else GPU_DIMS)
     if args.steps:
         dims["steps"] = args.steps
     variants = [v for v in args.variants.split(",") if v]
@@ -453,11 +485,16 @@ def main(argv=None) -> dict:
         host = DryHost(work)
         res["comfyui"] = "none (bundled host)"
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("device_run: no CUDA device (use --dry-run on a CPU)")
-        comfy_dir, site, manifest = unpack_carry(args.carry, work)
-        host = ComfyHost(comfy_dir, site, work)
-        res.update(comfyui=host.version, device=torch.cuda.get_device_name(), carry=manifest.get("files"))
+        if not torch.cuda.is_available() and not args.tiny:
+            raise SystemExit("device_run: no CUDA device (use --dry-run, or --tiny --comfyui DIR, on a CPU)")
+        if args.comfyui is not None:
+            comfy_dir, site, manifest = args.comfyui.resolve(), None, {}
+        else:
+            comfy_dir, site, manifest = unpack_carry(args.carry, work)
+        host = ComfyHost(comfy_dir, site, work, dynamic=not args.static)
+        res.update(comfyui=host.version, dynamic_vram=host.dynamic, carry=manifest.get("files"),
+                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        log(f"ComfyUI {host.version}, dynamic VRAM {host.dynamic}")
     from comfyui_lora_runtime.nodes import host as pack_host
     res["pack_host"] = pack_host.NAME
     if pack_host.NAME != ("bundled" if args.dry_run else "comfyui"):
