@@ -85,6 +85,27 @@ def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
     return 10.0 * math.log10(peak * peak / mse)
 
 
+def checksums(tensors: dict) -> dict:
+    """Per stored tensor: (sum, position-weighted sum) of its bytes as integers, on the GPU when there is
+    one: cheap enough to take after every arm, and a change to any weight shows in it."""
+    from comfyui_lora_runtime.lora_runtime.layer.base_weight import quant_layout, stored_tensors
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for k in sorted(tensors):
+        t = tensors[k]
+        sums = []
+        for part in (stored_tensors(t) if quant_layout(t) is not None else [t]):
+            b = part.detach().contiguous().reshape(-1).view(torch.uint8).to(dev).to(torch.int64)
+            w = torch.arange(b.numel(), device=dev, dtype=torch.int64) % 65521
+            sums += [int(b.sum()), int((b * w).sum())]
+        out[k] = tuple(sums)
+    return out
+
+
+def changed(before: dict, after: dict) -> list:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
 def tensor_hash(tensors: dict) -> str:
     """blake2b over every tensor's bytes (a quantized one: its stored data and scales), in key order."""
     from comfyui_lora_runtime.lora_runtime.layer.base_weight import quant_layout, stored_tensors
@@ -117,7 +138,11 @@ def write_assets(work: Path, dims, variants, quantize) -> dict:
     layers = [n for n, _, _ in block_linears(dims)]
     for v in variants:
         if v in QUANT_FORMATS:
-            why = quantize(models / "wan_bf16.safetensors", models / f"wan_{v}.safetensors", QUANT_FORMATS[v], layers)
+            try:
+                why = quantize(models / "wan_bf16.safetensors", models / f"wan_{v}.safetensors", QUANT_FORMATS[v],
+                               layers)
+            except Exception as e:  # noqa: BLE001  (that variant is reported skipped with the reason)
+                why = f"skipped: quantizing to {QUANT_FORMATS[v]} failed: {type(e).__name__}: {e}"
             out[v] = why or f"wan_{v}.safetensors"
     write_kohya_lora(loras / "lora_r32.safetensors", seed=7, rank=RANK, alpha=float(RANK),
                      modules=block_linears(dims))
@@ -136,8 +161,10 @@ def quantize_with(quantized_tensor, layout_of):
     def quantize(src, dst, fmt, layers):
         sd = load_file(str(src))
         dev = "cuda" if torch.cuda.is_available() else "cpu"
+        # comfy-kitchen's CUDA nvfp4 quantizer takes fp16/bf16 only; fp8 from the fp32 value
+        src_dtype = torch.float32 if fmt.startswith("float8") else torch.bfloat16
         for n in layers:
-            w = sd.pop(f"{n}.weight").to(dev, torch.float32)
+            w = sd.pop(f"{n}.weight").to(dev, src_dtype)
             kw = {"scale": "recalculate"} if fmt.startswith("float8") else {}
             qt = quantized_tensor.from_float(w, layout_of(fmt), **kw)
             sd.update({k: v.cpu() for k, v in quantized_weight_entries(f"{n}.", qt, fmt).items()})
@@ -152,6 +179,7 @@ class HostBase:
     """What the plan needs of a host; the measurement code is the same for both."""
 
     dry = False
+    stored_stay_put = False   # checksum the stored base weights after every arm
     steps_seconds: list
 
     def ours(self, model, lora: str, mode: str, tier: str):
@@ -246,12 +274,14 @@ class ComfyHost(HostBase):
         from comfy.cli_args import args
         if not torch.cuda.is_available():
             args.cpu = True
+        # as ComfyUI's main.py: comfy-aimdo's library is loaded before any comfy module binds it
+        self.dynamic = self._load_aimdo(args) if dynamic else "off: not asked for (--static)"
         import comfy.memory_management
         import comfy.model_management as mm
         import comfy.model_patcher as mp
-        self.dynamic = "off: not asked for (--static)"
-        if dynamic:
+        if self.dynamic == "on":
             self.dynamic = self._switch_on_dynamic_vram(args, mm, mp)
+        self.stored_stay_put = self.dynamic == "on"
         import folder_paths
         folder_paths.add_model_folder_path("diffusion_models", str(work / "diffusion_models"), is_default=True)
         folder_paths.add_model_folder_path("loras", str(work / "loras"), is_default=True)
@@ -261,13 +291,22 @@ class ComfyHost(HostBase):
         self.version = comfyui_version.__version__
 
     @staticmethod
+    def _load_aimdo(args) -> str:
+        try:
+            import comfy_aimdo.control
+            headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+            comfy_aimdo.control.init(simple_vram_headroom=headroom, nvml_pressure=not args.disable_nvml_pressure)
+        except Exception as e:  # noqa: BLE001  (recorded in the results, never hidden)
+            return f"off: comfy-aimdo failed to load: {type(e).__name__}: {e}"
+        return "on" if comfy_aimdo.control.lib is not None else "off: comfy-aimdo's library did not load"
+
+    @staticmethod
     def _switch_on_dynamic_vram(args, mm, mp) -> str:
         """As ComfyUI's main.py does; "on", or "off: <why>" when comfy-aimdo cannot run here (the run
         then goes on with the plain ModelPatcher, and every table says so)."""
         import comfy.memory_management
+        import comfy_aimdo.control
         try:
-            import comfy_aimdo.control
-            comfy_aimdo.control.init(nvml_pressure=not args.disable_nvml_pressure)
             ok = comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * 1024 ** 3))
                                                   for d in mm.get_all_torch_devices())
         except Exception as e:  # noqa: BLE001  (recorded in the results, never hidden)
@@ -360,6 +399,8 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
     base = host.load(model_file)
     rec["load_seconds"] = round(time.perf_counter() - t0, 3)
     hash0 = tensor_hash(host.stored(base))
+    sums0 = checksums(host.stored(base))
+    rec["weights_changed_after"], rec["stored_checked_per_arm"] = {}, host.stored_stay_put
 
     def arm(label, model, hook=None):
         host.reset_memory()
@@ -371,14 +412,22 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
                  "setup": round(total - (stamps[-1] - stamps[0]) if stamps else total, 3),
                  "applies": counts["applies"] - applies, "memory": host.memory()}
         rec["arms"][label] = entry
-        log(f"{name} {label}: {entry['per_step']} s/step, setup {entry['setup']} s")
+        # with dynamic VRAM nothing may write the stored weights, not even while a patched model is loaded
+        # (without it ComfyUI's and our merges patch them in place until the model is unloaded)
+        moved = changed(sums0, checksums(host.stored(base))) if host.stored_stay_put else []
+        if moved:   # the stored base weights differ from their loaded bytes after this arm
+            rec["weights_changed_after"][label] = {"count": len(moved), "first": moved[:5]}
+        log(f"{name} {label}: {entry['per_step']} s/step, setup {entry['setup']} s, stored weights changed: {len(moved)}")
         return lat, entry
 
     lat_base, _ = arm("base", base)
+    lat_b1, e = arm("base_twice", base)     # is the base itself deterministic here?
+    e.update(same_bits=torch.equal(lat_b1, lat_base), vs_base_psnr=psnr(lat_b1, lat_base))
     comfy = host.comfy_lora(base, lora)
     lat_comfy, e = arm("comfy", comfy)
     lat_c2, e2 = arm("comfy_again", comfy)
-    e.update(vs_base_psnr=psnr(lat_comfy, lat_base), again_bitwise=torch.equal(lat_c2, lat_comfy))
+    e.update(vs_base_psnr=psnr(lat_comfy, lat_base))
+    e2.update(same_bits=torch.equal(lat_c2, lat_comfy), vs_comfy_psnr=psnr(lat_c2, lat_comfy))
     ours_lat = {}
     for mode in MODES:
         for tier in TIERS:
@@ -389,7 +438,7 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
             e2.update(report=host.report(m), same_bits=torch.equal(lat2, lat))
             ours_lat[(mode, tier)] = (m, lat)
     lat_b2, e = arm("base_again", base)
-    e["same_bits"] = torch.equal(lat_b2, lat_base)
+    e.update(same_bits=torch.equal(lat_b2, lat_base), vs_base_psnr=psnr(lat_b2, lat_base))
     # mid-run: a second model loaded and run, then half of ours freed (ComfyUI's partially_unload)
     m, ref = ours_lat[("dynamic", "lossless")]
     events = {}
@@ -405,6 +454,7 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
              vs_undisturbed_psnr=psnr(lat_mid, ref))
     host.unload_all()
     rec["weights_hash_unchanged"] = tensor_hash(host.stored(base)) == hash0
+    rec["weights_changed_at_end"] = changed(sums0, checksums(host.stored(base)))[:10]
     return rec
 
 
@@ -418,17 +468,24 @@ def markdown(res: dict) -> str:
             lines += [f"## {v['variant']}: {v.get('skipped') or v.get('error')}", ""]
             continue
         lines += [f"## {v['variant']} (weights unchanged after everything: {v['weights_hash_unchanged']})", "",
-                  "| arm | s/step | setup s | applies | vs ComfyUI's LoRA dB | vs base dB | decision | layers | "
-                  "torch peak GiB | device peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | s/step | setup s | applies | same bits as before | vs ComfyUI's LoRA dB | vs base dB | "
+                  "decision | layers | torch peak GiB | device peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, a in v["arms"].items():
             rep = a.get("report") or {}
             mem = a.get("memory") or {}
             lay = "; ".join(f"{n} {k}" for k, n in (rep.get("layers") or {}).items())
-            lines.append(f"| {label} | {a['per_step']} | {a['setup']} | {a['applies']} | "
+            same = a.get("same_bits", a.get("same_bits_as_undisturbed", ""))
+            lines.append(f"| {label} | {a['per_step']} | {a['setup']} | {a['applies']} | {same} | "
                          f"{_db(a.get('vs_comfy_psnr'))} | {_db(a.get('vs_base_psnr'))} | "
                          f"{rep.get('chosen', '')}{' (kept)' if rep.get('kept') else ''} | {lay} | "
                          f"{mem.get('torch_peak_gib', '')} | {mem.get('device_peak_gib', '')} |")
         lines.append("")
+        moved = v.get("weights_changed_after") or {}
+        if v.get("stored_checked_per_arm"):
+            lines += [f"Stored base weights changed after: " + ("; ".join(
+                f"{k} ({c['count']}: {', '.join(c['first'])})" for k, c in moved.items()) or "no arm"), ""]
+        lines += [f"Stored base weights differing from their loaded bytes after the final unload: "
+                  f"{', '.join(v.get('weights_changed_at_end') or []) or 'none'}", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ARMS = ["base", "comfy", "comfy_again"] + [f"ours_{m}_{t}{a}" for m in ("auto", "merge", "dynamic")
+ARMS = ["base", "base_twice", "comfy", "comfy_again"] + [f"ours_{m}_{t}{a}" for m in ("auto", "merge", "dynamic")
                                            for t in ("lossless", "exact") for a in ("", "_again")] + \
        ["base_again", "ours_midrun"]
 
@@ -36,7 +36,8 @@ def test_the_dry_run_plans_and_runs_every_variant_and_arm(tmp_path):
         assert "error" not in v and "skipped" not in v, v
         assert list(v["arms"]) == ARMS, (name, list(v["arms"]))
         a = v["arms"]
-        assert v["weights_hash_unchanged"], name
+        assert v["weights_hash_unchanged"] and not v["weights_changed_at_end"], name
+        assert a["base_twice"]["same_bits"] and a["comfy_again"]["same_bits"], name
         assert a["comfy"]["vs_base_psnr"] < 60, (name, a["comfy"])     # the LoRA changes the output
         for label, arm in a.items():
             assert arm["per_step"] is not None and arm["per_step"] > 0, (name, label)
