@@ -400,6 +400,7 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
     rec["load_seconds"] = round(time.perf_counter() - t0, 3)
     hash0 = tensor_hash(host.stored(base))
     sums0 = checksums(host.stored(base))
+    stored_ref = {"sums": sums0}   # after the base arm: what ComfyUI's own run of the base leaves in the stored tensors
     rec["weights_changed_after"], rec["stored_checked_per_arm"] = {}, host.stored_stay_put
 
     def arm(label, model, hook=None):
@@ -414,7 +415,12 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
         rec["arms"][label] = entry
         # with dynamic VRAM nothing may write the stored weights, not even while a patched model is loaded
         # (without it ComfyUI's and our merges patch them in place until the model is unloaded)
-        moved = changed(sums0, checksums(host.stored(base))) if host.stored_stay_put else []
+        now = checksums(host.stored(base)) if host.stored_stay_put else stored_ref["sums"]
+        moved = changed(stored_ref["sums"], now)
+        if label == "base":
+            # the host alone, no adapter anywhere yet (on the GPU ComfyUI 0.33 rewrites the 31 modulation
+            # parameters here): later arms are compared with this state, so only adapters' writes show
+            rec["changed_by_the_host_alone"], stored_ref["sums"], moved = moved, now, []
         if moved:   # the stored base weights differ from their loaded bytes after this arm
             rec["weights_changed_after"][label] = {"count": len(moved), "first": moved[:5]}
         log(f"{name} {label}: {entry['per_step']} s/step, setup {entry['setup']} s, stored weights changed: {len(moved)}")
@@ -454,7 +460,9 @@ def run_variant(host, name: str, model_file: str, dims, counts) -> dict:
              vs_undisturbed_psnr=psnr(lat_mid, ref))
     host.unload_all()
     rec["weights_hash_unchanged"] = tensor_hash(host.stored(base)) == hash0
-    rec["weights_changed_at_end"] = changed(sums0, checksums(host.stored(base)))[:10]
+    end = checksums(host.stored(base))
+    rec["weights_changed_at_end"] = changed(sums0, end)[:10]
+    rec["changed_at_end_beyond_the_host_alone"] = changed(stored_ref["sums"], end)[:10]
     return rec
 
 
@@ -484,8 +492,13 @@ def markdown(res: dict) -> str:
         if v.get("stored_checked_per_arm"):
             lines += [f"Stored base weights changed after: " + ("; ".join(
                 f"{k} ({c['count']}: {', '.join(c['first'])})" for k, c in moved.items()) or "no arm"), ""]
+            lines += [f"Stored tensors the base arm alone changed (no adapter yet: the host's own doing): "
+                      f"{len(v.get('changed_by_the_host_alone') or [])} "
+                      f"({', '.join((v.get('changed_by_the_host_alone') or [])[:5])})", ""]
         lines += [f"Stored base weights differing from their loaded bytes after the final unload: "
-                  f"{', '.join(v.get('weights_changed_at_end') or []) or 'none'}", ""]
+                  f"{', '.join(v.get('weights_changed_at_end') or []) or 'none'}; "
+                  f"from their state after the base arm: "
+                  f"{', '.join(v.get('changed_at_end_beyond_the_host_alone') or []) or 'none'}", ""]
     return "\n".join(lines) + "\n"
 
 

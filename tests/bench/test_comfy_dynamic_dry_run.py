@@ -37,6 +37,7 @@ def test_the_dry_run_plans_and_runs_every_variant_and_arm(tmp_path):
         assert list(v["arms"]) == ARMS, (name, list(v["arms"]))
         a = v["arms"]
         assert v["weights_hash_unchanged"] and not v["weights_changed_at_end"], name
+        assert not v["changed_at_end_beyond_the_host_alone"] and not v["changed_by_the_host_alone"], name
         assert a["base_twice"]["same_bits"] and a["comfy_again"]["same_bits"], name
         assert a["comfy"]["vs_base_psnr"] < 60, (name, a["comfy"])     # the LoRA changes the output
         for label, arm in a.items():

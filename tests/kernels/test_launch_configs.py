@@ -75,10 +75,10 @@ def test_every_candidate_is_correct(cfg):
 
     with lc.pinned(cfg):
         x, w, b = make_gelu((301, 200), 333, torch.bfloat16, "cuda")
-        check_gelu(linear_gelu_tanh(x, w, b), x, w, b, f"gelu {cfg.label()}")
+        check_gelu(linear_gelu_tanh(x, w, b, backend="triton"), x, w, b, f"gelu {cfg.label()}")
         for dtype in (torch.bfloat16, torch.float16):
             args = make_lora((301, 200), 333, dtype, "cuda", adapters="several")
-            y = lora_linear(*args, gelu=True)
+            y = lora_linear(*args, gelu=True, backend="triton")
             check_lora(y, args, True, f"lora {dtype} {cfg.label()}")
             check_not_wrong(y, args, True, "several", "cuda")
 
@@ -90,12 +90,12 @@ def test_one_tuning_per_bucket_on_cuda():
     try:
         w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
         for m in (1000, 1024, 700):  # 700 -> bucket 1024 as well
-            linear_gelu_tanh(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16), w)
+            linear_gelu_tanh(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16), w, backend="triton")
         keys = [k for _, k, _ in lc.cached_entries() if k.op == "linear_gelu_tanh" and k.N == 384]
         assert keys == [lc.BucketKey("linear_gelu_tanh", "bfloat16", 384, 256, 1024)]
         x = torch.randn(700, 256, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.gelu(x.float() @ w.float().t(), approximate="tanh").to(torch.bfloat16)
         # order_atol: cuBLAS and the kernel sum the same fp32 products in different orders
-        assert_close(linear_gelu_tanh(x, w), ref, atol=1e-6 + order_atol(x, w), rtol=2 ** -7, name="bucketed launch")
+        assert_close(linear_gelu_tanh(x, w, backend="triton"), ref, atol=1e-6 + order_atol(x, w), rtol=2 ** -7, name="bucketed launch")
     finally:
         lc.forget()

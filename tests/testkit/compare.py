@@ -38,6 +38,11 @@ def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
     return float(err.max()) if err.numel() else 0.0
 
 
+def _most(tol) -> float:
+    """A tolerance for the message: a number, or the largest of a per-element tensor."""
+    return float(torch.as_tensor(tol).max())
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float,
                  name: str = "") -> None:
     """|actual - expected| <= atol + rtol * |expected| elementwise, specials equal."""
@@ -52,7 +57,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
         lines = [f"  {tuple(i)}: got {a[tuple(i)].item():.8g}, expected {e[tuple(i)].item():.8g}"
                  for i in idx]
         raise AssertionError(
-            f"{name}: {n_bad}/{err.numel()} elements off (atol={atol:g}, rtol={rtol:g}), "
+            f"{name}: {n_bad}/{err.numel()} elements off (atol={_most(atol):g}, rtol={_most(rtol):g}), "
             f"max abs err {float(err.max()):.3g}\n" + "\n".join(lines) + ("\n" + special if special else ""))
 
 
