@@ -221,6 +221,26 @@ class ZZLoraRuntimeTestWeightState:
         return {"ui": {"zz_weight_state": [state]}}
 
 
+class ZZLoraRuntimeTestBarrier:
+    # Does nothing, never cached: a prompt the worker runs after /free, so that its flags (handled
+    # after the worker's next wake-up, possibly after one more prompt) are handled before the next one.
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")
+
+    RETURN_TYPES = ()
+    FUNCTION = "run"
+    CATEGORY = "_for_testing"
+    OUTPUT_NODE = True
+
+    def run(self):
+        return {"ui": {"zz_barrier": [True]}}
+
+
 class ZZLoraRuntimeTestFloatList:
     # A whole list of floats as one FLOAT value, as other packs' float-list nodes send it.
     @classmethod
@@ -236,6 +256,7 @@ class ZZLoraRuntimeTestFloatList:
 
 
 NODE_CLASS_MAPPINGS.update({
+    "ZZLoraRuntimeTestBarrier": ZZLoraRuntimeTestBarrier,
     "ZZLoraRuntimeTestFloatList": ZZLoraRuntimeTestFloatList,
     "ZZLoraRuntimeTestLatentTag": ZZLoraRuntimeTestLatentTag,
     "ZZLoraRuntimeTestPartialLoad": ZZLoraRuntimeTestPartialLoad,

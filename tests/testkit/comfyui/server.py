@@ -249,9 +249,14 @@ class ComfyServer:
         return answer["prompt_id"]
 
     def free(self) -> None:
-        """Ask the worker to unload models and drop every cached node output."""
+        """Ask the worker to unload models and drop every cached node output, and return once it has.
+
+        /free only sets flags; the worker handles them after its next wake-up, which may come with a
+        prompt already queued (run first, on the old cache). A barrier prompt run to its end closes that
+        gap: the worker handles the flags after it, before it takes the next prompt."""
         status, _ = self.post_json("/free", {"unload_models": True, "free_memory": True})
         assert status == 200
+        self.run({"zz_barrier": {"class_type": "ZZLoraRuntimeTestBarrier", "inputs": {}}})
 
     def history(self, prompt_id: str, timeout: float = 30.0) -> dict:
         """The /history entry of a finished prompt. The worker files it just after
