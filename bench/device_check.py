@@ -119,7 +119,8 @@ TUNE_M = (512, 2048, 4096, 32768)   # 2048/4096: the DiT bench's 1530 / 3060 tok
 TUNE_RANK = 32
 DTYPE = torch.bfloat16
 # Share of the budget each part may use at most (the rest carries over).
-PART_CAPS = {"env": 20, "tests": 110, "tune": 70, "kernels": 110, "swap": 40, "quantized": 40, "dit": 300,
+CARRY = ROOT / "bench" / ".carry" / "comfy_dynamic"   # built by bench/comfy_dynamic/build_carry.py
+PART_CAPS = {"env": 20, "tests": 160, "tune": 70, "kernels": 110, "swap": 40, "quantized": 40, "dit": 300,
              "compile": 10 ** 6, "comfy_dynamic": 420}
 OPT_IN = ("comfy_dynamic",)   # run only when named in --parts
 ALL_PARTS = tuple(PART_CAPS)
@@ -523,13 +524,13 @@ def part_dit(ctx) -> dict:
 
 # ---------------------------------------------------------------- swap
 
-def _run_bench(ctx, part: str, script: str, args: list[str]):
+def _run_bench(ctx, part: str, script: str, args: list[str], env: dict | None = None):
     """Run bench/`script` (`--smoke` in a dry run, else `args`) within the part's budget; its log
     goes to DIR/<part>.log. Returns the finished process, or a failed part's dict."""
     cmd = [sys.executable, str(HERE / script)] + (["--smoke"] if ctx.dry else args)
     log("running " + " ".join(cmd[1:]))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True,
                               timeout=max(1.0, ctx.budget.for_part(part)))
     except subprocess.TimeoutExpired as exc:
         text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -558,9 +559,30 @@ def part_swap(ctx) -> dict:
 
 # ---------------------------------------------------------------- quantized
 
+def kitchen_env(ctx) -> tuple[dict, str]:
+    """The env for a part that needs comfy-kitchen (the GPU image lacks it): as it is when it imports,
+    else with comfy-kitchen unpacked from the dynamic-VRAM carry's site.tar.xz onto PYTHONPATH."""
+    import importlib.util
+    if importlib.util.find_spec("comfy_kitchen") is not None:
+        return ENV, "installed"
+    site = CARRY / "site.tar.xz"
+    if not site.is_file():
+        return ENV, f"absent (no {site.relative_to(ROOT)} to take it from: carry bench/.carry/comfy_dynamic)"
+    import tarfile
+    dest = ctx.out / "_comfy_kitchen"
+    with tarfile.open(site) as tf:
+        tf.extractall(dest, members=[m for m in tf.getmembers() if m.name.split("/")[0] == "comfy_kitchen"],
+                      filter="data")
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (ENV.get("PYTHONPATH", ""), str(dest)) if p))
+    return env, f"from {site.relative_to(ROOT)}"
+
+
 def part_quantized(ctx) -> dict:
     """bench_quantized.py on the GPU: quantized bases (fp8, nvfp4) alone vs our dynamic adapters."""
-    proc = _run_bench(ctx, "quantized", "bench_quantized.py", ["--device", "cuda", "--tokens", "4096", "--repeats", "3"])
+    env, kitchen = kitchen_env(ctx)
+    log(f"comfy-kitchen: {kitchen}")
+    proc = _run_bench(ctx, "quantized", "bench_quantized.py", ["--device", "cuda", "--tokens", "4096", "--repeats", "3"],
+                      env)
     if isinstance(proc, dict):
         return proc
     lines = [ln for ln in proc.stdout.splitlines() if ": base " in ln]
@@ -616,7 +638,6 @@ def part_compile(ctx) -> dict:
 
 # ---------------------------------------------------------------- comfy_dynamic
 
-CARRY = ROOT / "bench" / ".carry" / "comfy_dynamic"
 
 
 def part_comfy_dynamic(ctx) -> dict:

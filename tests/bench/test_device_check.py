@@ -55,3 +55,39 @@ def test_dry_run_refuses_unknown_parts(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--dry-run", "--out",
                            str(tmp_path), "--parts", "tests,warp"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown part(s) ['warp']" in proc.stderr
+
+
+def test_the_quantized_part_takes_comfy_kitchen_from_the_carry_when_it_is_not_installed(tmp_path, monkeypatch):
+    """The GPU image has no comfy-kitchen: the part unpacks it from the dynamic-VRAM carry onto PYTHONPATH,
+    and says where it came from (or that it is absent); nothing else of the carry's site comes along."""
+    import importlib.util
+    import io
+    import tarfile
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import device_check as dc
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    with tarfile.open(carry / "site.tar.xz", "w:xz") as tf:
+        for name in ("comfy_kitchen/__init__.py", "comfy_aimdo/__init__.py"):
+            data = b"MARK = 1\n"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "comfy_kitchen" else real(n, *a))
+
+    class Ctx:
+        out = tmp_path / "out"
+    Ctx.out.mkdir()
+    monkeypatch.setattr(dc, "ROOT", tmp_path)
+    monkeypatch.setattr(dc, "CARRY", carry / "missing")
+    env, why = dc.kitchen_env(Ctx)
+    assert env is dc.ENV and why.startswith("absent")
+    monkeypatch.setattr(dc, "CARRY", carry)
+    env, why = dc.kitchen_env(Ctx)
+    unpacked = Ctx.out / "_comfy_kitchen"
+    assert why == "from carry/site.tar.xz" and env["PYTHONPATH"].split(":")[-1] == str(unpacked)
+    assert [p.name for p in unpacked.iterdir()] == ["comfy_kitchen"]
