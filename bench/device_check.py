@@ -559,7 +559,7 @@ def part_swap(ctx) -> dict:
 
 # ---------------------------------------------------------------- quantized
 
-def kitchen_env(ctx) -> tuple[dict, str]:
+def kitchen_env() -> tuple[dict, str]:
     """The env for a part that needs comfy-kitchen (the GPU image lacks it): as it is when it imports,
     else with comfy-kitchen unpacked from the dynamic-VRAM carry's site.tar.xz onto PYTHONPATH."""
     import importlib.util
@@ -569,7 +569,7 @@ def kitchen_env(ctx) -> tuple[dict, str]:
     if not site.is_file():
         return ENV, f"absent (no {site.relative_to(ROOT)} to take it from: carry bench/.carry/comfy_dynamic)"
     import tarfile
-    dest = ctx.out / "_comfy_kitchen"
+    dest = Path(tempfile.mkdtemp(prefix="comfy_kitchen_"))   # not under DIR: DIR comes back from the GPU machine
     with tarfile.open(site) as tf:
         tf.extractall(dest, members=[m for m in tf.getmembers() if m.name.split("/")[0] == "comfy_kitchen"],
                       filter="data")
@@ -579,7 +579,7 @@ def kitchen_env(ctx) -> tuple[dict, str]:
 
 def part_quantized(ctx) -> dict:
     """bench_quantized.py on the GPU: quantized bases (fp8, nvfp4) alone vs our dynamic adapters."""
-    env, kitchen = kitchen_env(ctx)
+    env, kitchen = kitchen_env()
     log(f"comfy-kitchen: {kitchen}")
     proc = _run_bench(ctx, "quantized", "bench_quantized.py", ["--device", "cuda", "--tokens", "4096", "--repeats", "3"],
                       env)

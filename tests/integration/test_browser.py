@@ -433,21 +433,29 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         "timeouts": {"action": 30_000, "load": 120_000, "run": int(PROMPT_TIMEOUT_S * 1000)},
         "hardStopSeconds": int(DRIVER_TIMEOUT_S),
     }
-    cfg_path, res_path = work / "config.json", work / "results.json"
-    cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # 127.0.0.1 only
-    try:
-        proc = subprocess.run([browser_tools["node"], str(DRIVER), str(cfg_path), str(res_path)],
-                              capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S + 60, env=env)
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"driver killed after {DRIVER_TIMEOUT_S + 60:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
-    if not res_path.is_file():
-        pytest.fail(f"the browser driver wrote no results:\n{output}\n{comfy.log_tail()}")
-    results = json.loads(res_path.read_text(encoding="utf-8"))
-    results["driver_output"] = output
+    results = _run_driver(browser_tools, comfy, DRIVER, cfg, work)
     results["config"] = cfg
     (SCREENSHOT_DIR / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def _run_driver(browser_tools: dict, comfy, driver: Path, cfg: dict, work: Path) -> dict:
+    """Run a browser driver on `cfg` (killed a minute after its own hard stop); its results, with what it
+    printed as "driver_output". No proxy variables reach it: 127.0.0.1 only."""
+    cfg_path, res_path = work / "config.json", work / "results.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    limit = cfg["hardStopSeconds"] + 60
+    try:
+        proc = subprocess.run([browser_tools["node"], str(driver), str(cfg_path), str(res_path)],
+                              capture_output=True, text=True, timeout=limit, env=env)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = f"driver killed after {limit} s\n{e.stdout or ''}{e.stderr or ''}"
+    if not res_path.is_file():
+        pytest.fail(f"{driver.name} wrote no results:\n{output}\n{comfy.log_tail()}")
+    results = json.loads(res_path.read_text(encoding="utf-8"))
+    results["driver_output"] = output
     return results
 
 
@@ -927,19 +935,7 @@ def vue_stack_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> 
         "hardStopSeconds": int(300 + PROMPT_TIMEOUT_S),
         "minFrontend": {"version": "1.49", "reason": VUE_STACK_OLD_FRONTEND},
     }
-    cfg_path, res_path = work / "config.json", work / "results.json"
-    cfg_path.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    try:
-        proc = subprocess.run([browser_tools["node"], str(VUE_STACK_DRIVER), str(cfg_path), str(res_path)],
-                              capture_output=True, text=True, timeout=cfg["hardStopSeconds"] + 60, env=env)
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"driver killed after {cfg['hardStopSeconds'] + 60} s\n{e.stdout or ''}{e.stderr or ''}"
-    if not res_path.is_file():
-        pytest.fail(f"the Vue stack driver wrote no results:\n{output}\n{comfy.log_tail()}")
-    results = json.loads(res_path.read_text(encoding="utf-8"))
-    results["driver_output"] = output
+    results = _run_driver(browser_tools, comfy, VUE_STACK_DRIVER, cfg, work)
     results["workflow"] = wf
     (shots / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     return results
@@ -978,7 +974,8 @@ def test_vue_nodes_stack_rows_are_added_toggled_and_removed_through_the_node(vue
     st = _vue_stack_stage(vue_stack_session, "vue")
     wf = vue_stack_session["workflow"]
     assert st["enabledValue"] is True and st["vueNodeCount"] == len(wf["nodes"]), st
-    assert [e["type"] for e in st["dispatch"]] == ["dragenter", "dragover", "drop"] and st["dispatch"][-1]["defaultPrevented"]
+    events = st["dispatch"]["events"]
+    assert [e["type"] for e in events] == ["dragenter", "dragover", "drop"] and events[-1]["defaultPrevented"]
     saved = json.loads(next(n for n in wf["nodes"] if n["id"] == STACK_ID)["widgets_values"][0])
     a, b = saved[0]["lora"], saved[1]["lora"]
     _check_stack_shows(st["stack"], saved, "loaded")

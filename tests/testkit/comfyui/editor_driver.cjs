@@ -15,84 +15,15 @@
 "use strict";
 
 const fs = require("fs");
-const path = require("path");
+const { harness } = require("./editor_harness.cjs");
 
-const [, , configPath, resultsPath] = process.argv;
-if (!configPath || !resultsPath) {
-  console.error("usage: node editor_driver.cjs CONFIG.json RESULTS.json");
-  process.exit(2);
-}
-const cfg = JSON.parse(fs.readFileSync(configPath, "utf-8"));
-const T = Object.assign({ action: 30000, load: 120000, run: 300000 }, cfg.timeouts || {});
-const pw = require(cfg.playwrightDir);
+const h = harness("editor_driver.cjs");
+const { cfg, T, results, save, note, ensure, sleep, shot, stage, waitFor, settle, dropFile, queueFromUi } = h;
+let page; // h.page, once main has opened the browser
 
 const SETTING = "LoraRuntime.ShowBadges";
 const VUE_SETTING = "Comfy.VueNodes.Enabled";
 const REPORT_WIDGET = "lora_runtime_report";
-
-const results = {
-  started: new Date().toISOString(),
-  finished: false,
-  versions: {},
-  stages: {},
-  console: [],
-  pageErrors: [],
-  requestFailures: [],
-  badResponses: [],
-  blockedRequests: [],
-  screenshots: [],
-  log: [],
-};
-
-function save() {
-  fs.writeFileSync(resultsPath, JSON.stringify(results, null, 1));
-}
-
-function note(msg) {
-  const line = `${new Date().toISOString().slice(11, 23)} ${msg}`;
-  results.log.push(line);
-  console.log(line);
-}
-
-let page;
-let shotCounter = 0;
-
-async function shot(name, opts = {}) {
-  shotCounter += 1;
-  const file = path.join(cfg.screenshotDir, `${String(shotCounter).padStart(2, "0")}_${name}.png`);
-  try {
-    await page.screenshot({ path: file, timeout: T.action, ...opts });
-    results.screenshots.push({ name, path: file });
-  } catch (e) {
-    results.screenshots.push({ name, path: null, error: String(e) });
-  }
-  return file;
-}
-
-async function stage(name, fn) {
-  const rec = { ok: false };
-  results.stages[name] = rec;
-  note(`stage ${name}: start`);
-  const t0 = Date.now();
-  try {
-    await fn(rec);
-    rec.ok = true;
-  } catch (e) {
-    rec.error = String(e && e.stack ? e.stack : e);
-    note(`stage ${name}: FAILED ${String(e).split("\n")[0]}`);
-    await shot(`${name}_failed`);
-  }
-  rec.seconds = (Date.now() - t0) / 1000;
-  note(`stage ${name}: ${rec.ok ? "ok" : "failed"} in ${rec.seconds.toFixed(1)} s`);
-  save();
-  return rec.ok;
-}
-
-function ensure(cond, msg) {
-  if (!cond) throw new Error(msg);
-}
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // ------------------------------------------------------------------ page-side helpers
 // (functions passed to page.evaluate run in the page: no closures over Node variables)
@@ -465,21 +396,6 @@ async function focusNodes(ids, pad = 40, maxScale = 1.0) {
   return r;
 }
 
-/** Let the canvas draw a few frames (DOM widgets are positioned on draw). */
-async function settle(ms = 600) {
-  await page.evaluate(() => window.app.canvas.setDirty(true, true));
-  await sleep(ms);
-  await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
-}
-
-async function waitFor(desc, fn, arg, timeout = T.action) {
-  try {
-    return await page.waitForFunction(fn, arg, { timeout, polling: 250 });
-  } catch (e) {
-    throw new Error(`timed out after ${timeout} ms waiting for ${desc}`);
-  }
-}
-
 /** waitFor that records a timeout in rec.waitErrors instead of failing the stage. */
 async function softWaitFor(rec, desc, fn, arg, timeout = T.action) {
   try {
@@ -494,33 +410,6 @@ async function softWaitFor(rec, desc, fn, arg, timeout = T.action) {
 async function setSetting(id, value) {
   await page.evaluate(async (a) => window.app.extensionManager.setting.set(a.id, a.value), { id, value });
   return page.evaluate((id2) => window.app.extensionManager.setting.get(id2), id);
-}
-
-/** Drop a file on the canvas the way the OS does when a user drags one in. */
-async function dropFile(filePath, name, mime) {
-  const b64 = fs.readFileSync(filePath).toString("base64");
-  return page.evaluate(
-    async (a) => {
-      const bin = atob(a.b64);
-      const bytes = new Uint8Array(bin.length);
-      for (let i = 0; i < bin.length; i += 1) bytes[i] = bin.charCodeAt(i);
-      const file = new File([bytes], a.name, { type: a.mime });
-      const dt = new DataTransfer();
-      dt.items.add(file);
-      const target = window.app.canvasEl || document.querySelector("#graph-canvas");
-      const r = target.getBoundingClientRect();
-      // an empty spot: the canvas' top-left corner area
-      const at = { clientX: r.x + 20, clientY: r.y + 20, bubbles: true, cancelable: true, dataTransfer: dt };
-      const log = [];
-      for (const type of ["dragenter", "dragover", "drop"]) {
-        const ev = new DragEvent(type, at);
-        const notCancelled = target.dispatchEvent(ev);
-        log.push({ type, defaultPrevented: !notCancelled });
-      }
-      return { target: target.id || target.tagName, files: dt.files.length, events: log };
-    },
-    { b64, name, mime },
-  );
 }
 
 function compareNodes(snapshot, expected) {
@@ -567,70 +456,6 @@ async function clearGraph() {
   await waitFor("an empty graph", () => window.app.graph.nodes.length === 0, null);
 }
 
-/** Click the editor's Run button; falls back to app.queuePrompt(0) (recorded). */
-async function queueFromUi(rec) {
-  const mark = await page.evaluate(() => window.__loraIT.events.length);
-  const selectors = [
-    '[data-testid="queue-button"] button.p-splitbutton-button',
-    '[data-testid="queue-button"] button[aria-label="Run"]',
-    "button#queue-button",
-    'button[data-testid="queue-button"]', // frontend 1.49: the Run button itself carries the test id
-  ];
-  rec.queuedVia = null;
-  for (const sel of selectors) {
-    const loc = page.locator(sel).first();
-    if ((await loc.count()) === 0) continue;
-    try {
-      await loc.click({ timeout: 10000 });
-      rec.queuedVia = `click ${sel}`;
-      await page.mouse.move(800, 140).catch(() => {}); // off the button (empty canvas): no tooltip in the screenshots
-      break;
-    } catch (e) {
-      rec.clickError = String(e).split("\n")[0];
-    }
-  }
-  if (!rec.queuedVia) {
-    await page.evaluate(() => window.app.queuePrompt(0));
-    rec.queuedVia = "app.queuePrompt(0) (no Run button found)";
-  }
-  note(`queued via ${rec.queuedVia}`);
-  // wait for the end of the prompt this click started, or a validation failure
-  let outcome;
-  try {
-    const h = await page.waitForFunction(
-      (m) => {
-        const evs = window.__loraIT.events.slice(m);
-        const start = evs.find((e) => e.type === "execution_start");
-        const end = evs.find((e) => start && e.prompt_id === start.prompt_id
-          && ["execution_success", "execution_error", "execution_interrupted"].includes(e.type));
-        if (end) return { end: end.type, prompt_id: end.prompt_id, detail: end.detail || null };
-        const errs = window.app.lastNodeErrors;
-        if (errs && Object.keys(errs).length) return { end: "node_errors", detail: errs };
-        const dlg = [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText).join("\n");
-        if (/failed validation|Prompt execution failed/i.test(dlg)) return { end: "dialog", detail: dlg.slice(0, 2000) };
-        return false;
-      },
-      mark,
-      { timeout: T.run, polling: 250 },
-    );
-    outcome = await h.jsonValue();
-  } catch (e) {
-    throw new Error(`no end of the queued prompt within ${T.run} ms`);
-  }
-  rec.promptId = outcome.prompt_id || null;
-  rec.outcome = outcome.end;
-  if (outcome.end !== "execution_success") {
-    rec.outcomeDetail = outcome.detail;
-    throw new Error(`the queued prompt ended with ${outcome.end}: ${JSON.stringify(outcome.detail).slice(0, 1500)}`);
-  }
-  rec.executedNodes = await page.evaluate(
-    (a) => window.__loraIT.events.slice(a.m).filter((e) => e.type === "executed" && e.prompt_id === a.pid)
-      .map((e) => String(e.node)),
-    { m: mark, pid: rec.promptId },
-  );
-  return rec.promptId;
-}
-
 async function waitForReport(id, desc, extra = null) {
   await waitFor(
     desc,
@@ -653,68 +478,9 @@ async function waitForReport(id, desc, extra = null) {
 // ------------------------------------------------------------------ the run
 
 async function main() {
-  fs.mkdirSync(cfg.screenshotDir, { recursive: true });
-  // a fresh profile (the test passes an empty temp folder) with the flags that work as root here
-  const context = await pw.chromium.launchPersistentContext(cfg.userDataDir, {
-    executablePath: cfg.chromium,
-    headless: true,
-    timeout: T.load,
-    viewport: { width: 1600, height: 1000 },
-    deviceScaleFactor: 1,
-    // the test's fontconfig file: DejaVu Sans as the only sans font (ComfyUI's "Arial" falls back to it)
-    env: cfg.fontconfigFile ? { ...process.env, FONTCONFIG_FILE: cfg.fontconfigFile } : process.env,
-    args: [
-      "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-      "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    ],
-  });
-  const browser = context.browser();
-  results.versions.chromium = browser ? browser.version() : null;
+  page = await h.open();
   try {
-    page = context.pages()[0] || (await context.newPage());
-    page.setDefaultTimeout(T.action);
-    const origin = new URL(cfg.url).origin;
-    await context.route("**/*", (route) => {
-      const u = route.request().url();
-      if (u.startsWith(origin) || u.startsWith("data:") || u.startsWith("blob:")) return route.continue();
-      results.blockedRequests.push(u);
-      return route.abort("blockedbyclient");
-    });
-    page.on("console", (m) => {
-      const loc = m.location() || {};
-      results.console.push({ type: m.type(), text: m.text(), url: loc.url || "", line: loc.lineNumber ?? null,
-        stage: currentStage });
-    });
-    // where each console error / warning was logged from (the whole JS stack; Playwright gives only
-    // the call site): the test tells the core's own messages from ones our extension caused
-    results.consoleStacks = [];
-    try {
-      const cdp = await context.newCDPSession(page);
-      cdp.on("Runtime.consoleAPICalled", (e) => {
-        if (e.type !== "error" && e.type !== "warning") return;
-        results.consoleStacks.push({
-          type: e.type,
-          text: (e.args || []).map((a) => (a.value !== undefined ? String(a.value) : a.description || "")).join(" "),
-          frames: ((e.stackTrace && e.stackTrace.callFrames) || []).map((f) => ({ url: f.url, fn: f.functionName,
-            line: f.lineNumber })),
-          stage: currentStage,
-        });
-      });
-      await cdp.send("Runtime.enable");
-    } catch (e) {
-      results.consoleStacks = null;
-      note(`no console stacks: ${String(e).split("\n")[0]}`);
-    }
-    page.on("pageerror", (e) => results.pageErrors.push({ message: e.message, stack: e.stack || "",
-      stage: currentStage }));
-    page.on("requestfailed", (r) => results.requestFailures.push({ url: r.url(),
-      error: (r.failure() || {}).errorText || "", stage: currentStage }));
-    page.on("response", (r) => {
-      if (r.status() >= 400) results.badResponses.push({ status: r.status(), url: r.url(), stage: currentStage });
-    });
-
     // 1. the editor ------------------------------------------------------------
-    currentStage = "load";
     const loaded = await stage("load", async (rec) => {
       await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: T.load });
       await waitFor("the editor (window.app with a graph and the Vue app ready)",
@@ -775,7 +541,7 @@ async function main() {
     if (!loaded) return;
 
     // 2. drag-and-drop the UI workflow file ----------------------------------------
-    currentStage = "drop_json";
+    h.stageName = "drop_json";
     await stage("drop_json", async (rec) => {
       await clearGraph();
       rec.method = "drop event with a DataTransfer holding a File, dispatched on the canvas element";
@@ -796,7 +562,7 @@ async function main() {
     });
 
     // 2b. the title font: the one the canvas draws titles in, loaded, and the one the extension sizes with
-    currentStage = "title_font";
+    h.stageName = "title_font";
     await stage("title_font", async (rec) => {
       await focusNodes(cfg.docsNodeIds, 30, 1.0); // near 100 %: a zoomed-out canvas draws no titles
       Object.assign(rec, await page.evaluate(pageTitleFont, {
@@ -806,7 +572,7 @@ async function main() {
     });
 
     // 3. drag-and-drop a PNG the pack saved ------------------------------------------
-    currentStage = "drop_png";
+    h.stageName = "drop_png";
     await stage("drop_png", async (rec) => {
       await clearGraph();
       rec.method = "drop event with a DataTransfer holding a PNG File, dispatched on the canvas element";
@@ -822,7 +588,7 @@ async function main() {
     });
 
     // 4. queue it from the UI and read the report ---------------------------------------
-    currentStage = "run";
+    h.stageName = "run";
     const ran = await stage("run", async (rec) => {
       const expected = cfg.png.expected;
       const haveGraph = await page.evaluate(
@@ -869,7 +635,7 @@ async function main() {
     });
 
     // 4b. the layout after the run: no node covers another, no widget label newly cut --------
-    currentStage = "layout";
+    h.stageName = "layout";
     if (ran) {
       await stage("layout", async (rec) => {
         rec.after = await layoutSnapshot();
@@ -887,7 +653,7 @@ async function main() {
     }
 
     // 4c. a node right under the sampler: the report folds to one line, a click unfolds it ---
-    currentStage = "fold";
+    h.stageName = "fold";
     if (ran && cfg.foldNeighbourId) {
       await stage("fold", async (rec) => {
         const setting = (v) => setSetting(SETTING, v);
@@ -944,7 +710,7 @@ async function main() {
     }
 
     // 5. the ShowBadges setting ------------------------------------------------------------
-    currentStage = "toggle";
+    h.stageName = "toggle";
     if (ran) {
       await stage("toggle", async (rec) => {
         await focusNodes(cfg.docsNodeIds, 30, 1.0);
@@ -963,7 +729,7 @@ async function main() {
     }
 
     // 6. the report comes back from node.properties when the saved workflow is loaded ----------
-    currentStage = "restore";
+    h.stageName = "restore";
     if (ran) {
       await stage("restore", async (rec) => {
         const saved = await page.evaluate(() => window.app.graph.serialize());
@@ -985,7 +751,7 @@ async function main() {
     }
 
     // 7. the Vue node renderer ("Nodes 2.0") ---------------------------------------------------
-    currentStage = "vue";
+    h.stageName = "vue";
     if (ran) {
       await stage("vue", async (rec) => {
         rec.available = await page.evaluate((s) => {
@@ -1059,7 +825,7 @@ async function main() {
         await shot("vue_nodes_badges_on_again");
       });
       // back to the classic canvas: the report must be shown there again
-      currentStage = "classic_again";
+      h.stageName = "classic_again";
       await stage("classic_again", async (rec) => {
         rec.vueValue = await setSetting(VUE_SETTING, false);
         await waitFor("the classic canvas (no [data-node-id] elements)",
@@ -1075,7 +841,7 @@ async function main() {
       });
     }
     // 9. ComfyUI's own KSampler with our adapter nodes, and the LoRA Runtime Report node ----------
-    currentStage = "stock";
+    h.stageName = "stock";
     if (cfg.stock) {
       await stage("stock", async (rec) => {
         const wf = cfg.stock.workflow;
@@ -1124,7 +890,7 @@ async function main() {
     }
 
     // 10. Browse Templates: the pack's workflow from ComfyUI's template dialog, then run ------------
-    currentStage = "template";
+    h.stageName = "template";
     if (cfg.template) {
       await stage("template", async (rec) => {
         const t = cfg.template;
@@ -1191,31 +957,12 @@ async function main() {
       });
     }
 
-    currentStage = "end";
+    h.stageName = "end";
     results.finished = true;
   } finally {
     save();
-    await context.close().catch(() => {});
+    await h.context.close().catch(() => {});
   }
 }
 
-let currentStage = "start";
-const hardStop = setTimeout(() => {
-  results.error = `driver hard stop after ${cfg.hardStopSeconds} s`;
-  save();
-  process.exit(3);
-}, (cfg.hardStopSeconds || 1200) * 1000);
-
-main()
-  .then(() => {
-    clearTimeout(hardStop);
-    save();
-    process.exit(0);
-  })
-  .catch((e) => {
-    clearTimeout(hardStop);
-    results.error = String(e && e.stack ? e.stack : e);
-    save();
-    console.error(results.error);
-    process.exit(1);
-  });
+h.run(main, 900);

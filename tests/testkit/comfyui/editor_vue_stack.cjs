@@ -19,83 +19,13 @@
 // Nothing outside 127.0.0.1 is reachable (every other request is aborted).
 "use strict";
 
-const fs = require("fs");
-const path = require("path");
+const { harness } = require("./editor_harness.cjs");
 
-const [, , configPath, resultsPath] = process.argv;
-if (!configPath || !resultsPath) {
-  console.error("usage: node editor_vue_stack.cjs CONFIG.json RESULTS.json");
-  process.exit(2);
-}
-const cfg = JSON.parse(fs.readFileSync(configPath, "utf-8"));
-const T = Object.assign({ action: 30000, load: 120000, run: 300000 }, cfg.timeouts || {});
-const pw = require(cfg.playwrightDir);
+const h = harness("editor_vue_stack.cjs");
+const { cfg, T, results, save, note, ensure, shot, stage, waitFor, settle, dropFile, queueFromUi } = h;
+let page; // h.page, once main has opened the browser
 
 const VUE_SETTING = "Comfy.VueNodes.Enabled";
-const results = {
-  started: new Date().toISOString(), finished: false, versions: {}, available: null, stages: {}, console: [],
-  consoleStacks: [], pageErrors: [], blockedRequests: [], screenshots: [], log: [],
-};
-let page;
-let shots = 0;
-let currentStage = "start";
-
-const save = () => fs.writeFileSync(resultsPath, JSON.stringify(results, null, 1));
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-function note(msg) {
-  const line = `${new Date().toISOString().slice(11, 23)} ${msg}`;
-  results.log.push(line);
-  console.log(line);
-}
-
-function ensure(cond, msg) {
-  if (!cond) throw new Error(msg);
-}
-
-async function shot(name) {
-  shots += 1;
-  const file = path.join(cfg.screenshotDir, `${String(shots).padStart(2, "0")}_${name}.png`);
-  try {
-    await page.screenshot({ path: file, timeout: T.action });
-    results.screenshots.push({ name, path: file });
-  } catch (e) {
-    results.screenshots.push({ name, path: null, error: String(e) });
-  }
-}
-
-async function stage(name, fn) {
-  const rec = { ok: false };
-  results.stages[name] = rec;
-  currentStage = name;
-  note(`stage ${name}: start`);
-  const t0 = Date.now();
-  try {
-    await fn(rec);
-    rec.ok = true;
-  } catch (e) {
-    rec.error = String(e && e.stack ? e.stack : e);
-    note(`stage ${name}: FAILED ${String(e).split("\n")[0]}`);
-    await shot(`${name}_failed`);
-  }
-  rec.seconds = (Date.now() - t0) / 1000;
-  save();
-  return rec.ok;
-}
-
-async function waitFor(desc, fn, arg, timeout = T.action) {
-  try {
-    return await page.waitForFunction(fn, arg, { timeout, polling: 250 });
-  } catch (e) {
-    throw new Error(`timed out after ${timeout} ms waiting for ${desc}`);
-  }
-}
-
-async function settle(ms = 600) {
-  await page.evaluate(() => window.app.canvas.setDirty(true, true));
-  await sleep(ms);
-  await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
-}
 
 /**
  * The canvas at `scale` (less where the nodes would not fit) with the given nodes' box in the middle
@@ -132,26 +62,6 @@ async function focusOnce(ids, scale) {
     c.setDirty(true, true);
   }, { ids, scale });
   await settle();
-}
-
-/** Drop a file on the canvas the way the OS does when a user drags one in. */
-async function dropFile(filePath, name, mime) {
-  const b64 = fs.readFileSync(filePath).toString("base64");
-  return page.evaluate(async (a) => {
-    const bin = atob(a.b64);
-    const bytes = new Uint8Array(bin.length);
-    for (let i = 0; i < bin.length; i += 1) bytes[i] = bin.charCodeAt(i);
-    const dt = new DataTransfer();
-    dt.items.add(new File([bytes], a.name, { type: a.mime }));
-    const target = window.app.canvasEl || document.querySelector("#graph-canvas");
-    const r = target.getBoundingClientRect();
-    const at = { clientX: r.x + 20, clientY: r.y + 20, bubbles: true, cancelable: true, dataTransfer: dt };
-    const log = [];
-    for (const type of ["dragenter", "dragover", "drop"]) {
-      log.push({ type, defaultPrevented: !target.dispatchEvent(new DragEvent(type, at)) });
-    }
-    return log;
-  }, { b64, name, mime });
 }
 
 // ------------------------------------------------------------------ what the stack shows
@@ -266,81 +176,9 @@ async function afterEdit(rec, key, desc, want) {
 
 // ------------------------------------------------------------------ the run
 
-async function queueFromUi(rec) {
-  const mark = await page.evaluate(() => window.__loraIT.events.length);
-  const selectors = ['[data-testid="queue-button"] button.p-splitbutton-button',
-    '[data-testid="queue-button"] button[aria-label="Run"]', 'button[data-testid="queue-button"]',
-    "button#queue-button"];
-  rec.queuedVia = null;
-  for (const sel of selectors) {
-    const loc = page.locator(sel).first();
-    if ((await loc.count()) === 0) continue;
-    try {
-      await loc.click({ timeout: 10000 });
-      rec.queuedVia = `click ${sel}`;
-      break;
-    } catch (e) {
-      rec.clickError = String(e).split("\n")[0];
-    }
-  }
-  ensure(rec.queuedVia, `no clickable Run button (${rec.clickError || "none found"})`);
-  const h = await page.waitForFunction((m) => {
-    const evs = window.__loraIT.events.slice(m);
-    const start = evs.find((e) => e.type === "execution_start");
-    const end = evs.find((e) => start && e.prompt_id === start.prompt_id
-      && ["execution_success", "execution_error", "execution_interrupted"].includes(e.type));
-    if (end) return { end: end.type, prompt_id: end.prompt_id, detail: end.detail || null };
-    const errs = window.app.lastNodeErrors;
-    if (errs && Object.keys(errs).length) return { end: "node_errors", detail: errs };
-    return false;
-  }, mark, { timeout: T.run, polling: 250 });
-  const outcome = await h.jsonValue();
-  rec.promptId = outcome.prompt_id || null;
-  rec.outcome = outcome.end;
-  ensure(outcome.end === "execution_success",
-    `the queued prompt ended with ${outcome.end}: ${JSON.stringify(outcome.detail).slice(0, 1500)}`);
-}
-
 async function main() {
-  fs.mkdirSync(cfg.screenshotDir, { recursive: true });
-  const context = await pw.chromium.launchPersistentContext(cfg.userDataDir, {
-    executablePath: cfg.chromium, headless: true, timeout: T.load, viewport: { width: 1600, height: 1000 },
-    deviceScaleFactor: 1,
-    env: cfg.fontconfigFile ? { ...process.env, FONTCONFIG_FILE: cfg.fontconfigFile } : process.env,
-    args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-  });
-  const browser = context.browser();
-  results.versions.chromium = browser ? browser.version() : null;
+  page = await h.open();
   try {
-    page = context.pages()[0] || (await context.newPage());
-    page.setDefaultTimeout(T.action);
-    const origin = new URL(cfg.url).origin;
-    await context.route("**/*", (route) => {
-      const u = route.request().url();
-      if (u.startsWith(origin) || u.startsWith("data:") || u.startsWith("blob:")) return route.continue();
-      results.blockedRequests.push(u);
-      return route.abort("blockedbyclient");
-    });
-    page.on("console", (m) => {
-      const loc = m.location() || {};
-      results.console.push({ type: m.type(), text: m.text(), url: loc.url || "", stage: currentStage });
-    });
-    page.on("pageerror", (e) => results.pageErrors.push({ message: e.message, stack: e.stack || "",
-      stage: currentStage }));
-    try {
-      const cdp = await context.newCDPSession(page);
-      cdp.on("Runtime.consoleAPICalled", (e) => {
-        if (e.type !== "error" && e.type !== "warning") return;
-        results.consoleStacks.push({ type: e.type, stage: currentStage,
-          text: (e.args || []).map((a) => (a.value !== undefined ? String(a.value) : a.description || "")).join(" "),
-          frames: ((e.stackTrace && e.stackTrace.callFrames) || []).map((f) => ({ url: f.url, fn: f.functionName })) });
-      });
-      await cdp.send("Runtime.enable");
-    } catch (e) {
-      results.consoleStacks = null;
-    }
-
     const loaded = await stage("load", async (rec) => {
       await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: T.load });
       await waitFor("the editor", () => window.app && window.app.graph && window.app.canvas && window.app.vueAppReady
@@ -437,7 +275,7 @@ async function main() {
     if (!rows) return;
 
     await stage("run", async (rec) => {
-      await queueFromUi(rec);
+      await queueFromUi(rec, { fallback: false });
       for (const [key, id, property] of [["sampler", cfg.samplerId, "lora_runtime_report"],
         ["stack", cfg.stackId, "lora_coverage"]]) {
         await waitFor(`the report inside Vue node ${id}`, (a) => {
@@ -456,27 +294,10 @@ async function main() {
     results.finished = true;
   } finally {
     save();
-    await context.close().catch(() => {});
+    await h.context.close().catch(() => {});
   }
 }
 
-const hardStop = setTimeout(() => {
-  results.error = `driver hard stop after ${cfg.hardStopSeconds} s`;
-  save();
-  process.exit(3);
-}, (cfg.hardStopSeconds || 900) * 1000);
-
-main()
-  .then(() => {
-    clearTimeout(hardStop);
-    results.finished = results.finished || results.available === false || !!results.skipped;
-    save();
-    process.exit(0);
-  })
-  .catch((e) => {
-    clearTimeout(hardStop);
-    results.error = String(e && e.stack ? e.stack : e);
-    save();
-    console.error(results.error);
-    process.exit(1);
-  });
+h.run(main, 1200, () => {
+  results.finished = results.finished || results.available === false || !!results.skipped;
+});

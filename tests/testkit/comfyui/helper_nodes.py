@@ -86,7 +86,18 @@ class ZZLoraRuntimeTestLatentTag:
         return (samples,)
 
 
-class ZZLoraRuntimeTestPartialLoad:
+class _AlwaysRunOutput:
+    # An output node that runs in every prompt (never taken from ComfyUI's cache), through run().
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")
+
+    FUNCTION = "run"
+    CATEGORY = "_for_testing"
+    OUTPUT_NODE = True
+
+
+class ZZLoraRuntimeTestPartialLoad(_AlwaysRunOutput):
     # load_models_gpu([model]), partially_unload(offload_device, fraction of the model size),
     # then (reload) partially_load(load_device, extra_memory=model size); the same MODEL back.
     @classmethod
@@ -95,14 +106,7 @@ class ZZLoraRuntimeTestPartialLoad:
                              "fraction": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.01}),
                              "reload": ("BOOLEAN", {"default": True})}}
 
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")
-
     RETURN_TYPES = ("MODEL",)
-    FUNCTION = "run"
-    CATEGORY = "_for_testing"
-    OUTPUT_NODE = True
 
     def run(self, model, fraction, reload):
         comfy.model_management.load_models_gpu([model])
@@ -171,7 +175,7 @@ class ZZLoraRuntimeTestUnloadMidRun:
         return (out,)
 
 
-class ZZLoraRuntimeTestWeightState:
+class ZZLoraRuntimeTestWeightState(_AlwaysRunOutput):
     # Optionally unload_all_models(), then the diffusion model's state: a hash of every
     # state_dict tensor (name, dtype, shape, bytes), the key list, modules still carrying an
     # instance forward / LoRA runtime attribute / cast or weight-function state, and the
@@ -180,14 +184,7 @@ class ZZLoraRuntimeTestWeightState:
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL",), "unload_all": ("BOOLEAN", {"default": True})}}
 
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")
-
     RETURN_TYPES = ()
-    FUNCTION = "run"
-    CATEGORY = "_for_testing"
-    OUTPUT_NODE = True
 
     def run(self, model, unload_all):
         if unload_all:
@@ -221,21 +218,14 @@ class ZZLoraRuntimeTestWeightState:
         return {"ui": {"zz_weight_state": [state]}}
 
 
-class ZZLoraRuntimeTestBarrier:
+class ZZLoraRuntimeTestBarrier(_AlwaysRunOutput):
     # Does nothing, never cached: a prompt the worker runs after /free, so that its flags (handled
     # after the worker's next wake-up, possibly after one more prompt) are handled before the next one.
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {}}
 
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")
-
     RETURN_TYPES = ()
-    FUNCTION = "run"
-    CATEGORY = "_for_testing"
-    OUTPUT_NODE = True
 
     def run(self):
         return {"ui": {"zz_barrier": [True]}}
