@@ -8,17 +8,19 @@ Contract
   raises NonFiniteMergeError naming the adapter and the layer.
 - Each layer's sums are its sample's times its rows per sampled row, so layers sampled at different
   rates weigh as their whole weights do.
-- A float weight: an even sample of whole rows (at most SAMPLE_ELEMENTS elements), rounded to its dtype.
+- A float weight: an even sample of whole rows (at most SAMPLE_ELEMENTS elements, and 1/SAMPLE_SHARE of
+  the rows where that is at least MIN_SAMPLE_ELEMENTS), rounded to its dtype.
 - A quantized weight whose rows re-quantize alone (`quantized_rows.row_local`: mxfp8, the 4-bit
   row-wise layouts): the same even sample (read alone where the layout allows), re-quantized
   alone: bit for bit the whole merge's rows (round to nearest). No search.
-- A quantized weight of another row-wise layout (`quantized_rows.row_wise`): the same even sample,
-  re-quantized at the scale the whole merge recalculates from the merged tensor's largest |value|.
-  That value is found exactly without merging the whole: the sample, the rows with the largest stored
-  values, and every element (per-tensor layouts, low-rank updates) or row elsewhere that a bound of
-  the update (and of the earlier merges' moves) lets reach it. Past SAMPLE_ELEMENTS such elements
-  (an eighth of the weight, if more), or a quarter of the rows, every row is held. With stochastic
-  rounding the sample is one draw of the merge's rounding, not the whole merge's own draw.
+- A quantized weight of another row-wise layout (`quantized_rows.row_wise`: a scale spans the tensor):
+  the same even sample and the rows with the largest stored values, re-quantized at the scale of the
+  largest |value| of W + the updates merged so far + this one, summed whole in fp32: the scale a
+  merge of those adapters recalculates (a merge rounds the sum once). For the first adapter that is
+  the whole merge's own scale. The value is found exactly without forming the whole sum: the held
+  rows, then only the rows and elements that bounds of the updates (from their factors; exact row
+  maxima where rows were computed whole) let reach it (`_QuantRows._top`). With stochastic rounding
+  the sample is one draw of the merge's rounding, not the whole merge's own draw.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
@@ -29,28 +31,36 @@ import torch
 
 from ..errors import NonFiniteMergeError
 from ..layer import quantized_rows as qrows
+from ..layer import weight_merge
 
 MAX_SAMPLE_ROWS = 1024
 # the auto measurement samples at most this many elements of each weight (whole rows, evenly
 # spaced, at least MIN_SAMPLE_ROWS): i.i.d. rounding errors give a statistical error of about
 # 1/sqrt(2 * 2**18) = 0.14 % per layer, and the measurement costs a small share of a merge
 SAMPLE_ELEMENTS = 1 << 18
+# and at most 1/SAMPLE_SHARE of the weight's rows, unless that is under MIN_SAMPLE_ELEMENTS (2**16:
+# 0.28 %; a Wan-1.3B 1536 x 1536 projection: 48 rows, 74k elements): each adapter is measured apart
+# while a merge of all of them rounds the weight once, so four adapters' samples stay far below a
+# quarter of the weight
+SAMPLE_SHARE = 32
+MIN_SAMPLE_ELEMENTS = 1 << 16
 MIN_SAMPLE_ROWS = 16
-# a quantized weight's sample grows by the rows that may hold its largest value; past this share of
-# its rows, every row is held (the sample would cost about as much as the whole)
-MAX_CANDIDATE_SHARE = 0.25
-SEARCH_SHARE = 8
 TOP_ROWS = 4
-REFINE_ROWS = 256
-# a grid step of at least this share of the top value (e5m2, mxfp8: 1/7) lets nearly any row reach the top
-# after a merge: later adapters hold every row without searching
-COARSE_STEP = 0.1
+# the top's search screens single elements while they are at most 1/SCREEN_COST of the candidate rows'
+# elements, and computes them one by one while (elements x rank) is at most GATHER_COST x those rows'
+# elements; else it computes those rows whole (chunks of DENSE_CHUNK elements): measured costs per element
+SCREEN_COST = 4
+GATHER_COST = 1
+GATHER_CHUNK = 4096
+DENSE_CHUNK = 1 << 20
 
 
 def sample_rows(rows: int, device, max_rows: int, cols: int | None = None):
     """An even sample of whole rows: a slice of all when they fit, else sorted row indices."""
     if cols is not None:
-        max_rows = min(max_rows, max(MIN_SAMPLE_ROWS, SAMPLE_ELEMENTS // max(1, cols)))
+        c = max(1, cols)
+        share = max(rows // SAMPLE_SHARE, MIN_SAMPLE_ELEMENTS // c)
+        max_rows = min(max_rows, max(MIN_SAMPLE_ROWS, min(SAMPLE_ELEMENTS // c, share)))
     if rows <= max_rows:
         return slice(0, rows)
     return torch.linspace(0, rows - 1, max_rows, device=device).round().long().unique()
@@ -119,18 +129,13 @@ class _LocalRows(_Rows):
 
 
 class _QuantRows:
-    """A row-wise quantized weight's sample (see module doc)."""
+    """A tensor-scaled quantized weight's sample (see module doc)."""
 
     def __init__(self, w, max_rows: int):
         self.w, self.q, self.seed = w, w.get_base_layer().weight, w.requant_seed
-        self.block = qrows.block_width(self.q)
-        self.step = qrows.top_step(self.q, 1.0)  # a grid step per unit of the top value, or None
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
-        # the elements the top's search may compute: a sample's worth, or an eighth of the weight (each
-        # costs a rank-long product per earlier merge: far less than holding every row, which replays them all)
-        self.search_limit = max(SAMPLE_ELEMENTS, self.q.numel() // SEARCH_SHARE)
         self._elementwise = qrows.elementwise(self.q)
         if self._elementwise:
             self._full, self.row_max = None, qrows.stored_row_absmax(self.q).cpu()
@@ -139,15 +144,23 @@ class _QuantRows:
         else:  # the layout's own dequantization, once
             self._full = w.weight2d.detach()
             self.row_max = self._full.abs().amax(dim=1).cpu()
-        # the rows with the largest stored values come along unmeasured: their merged values give a
-        # close floor for the merged tensor's largest |value|, which keeps the rows to add few
+        # the rows with the largest stored values come along unmeasured: their sums give a close floor
+        # for the whole tensor's largest |value|, which keeps the search small
         top = torch.topk(self.row_max, min(TOP_ROWS, n)).indices
         top = top[~torch.isin(top, even)]
         self.sel, self.measured = torch.cat([even, top]), slice(0, even.numel())  # measured: the even rows
-        self.cur = self._base(self.sel)
-        self.moved = torch.zeros(n)   # per row: a bound of how far the merges so far moved its values
-        self.history: list = []       # (slot, largest |value|) of each merge so far
-        self._cheap = None            # the last merge's rows whose move bound is the cheap one (`_settle`)
+        self.held = torch.zeros(n, dtype=torch.bool)
+        self.held[self.sel] = True
+        self.cur = self._base(self.sel)  # the held rows as the merges so far leave them (each re-quantized)
+        self.summed = self.cur           # the held rows of W + the merged updates, unrounded
+        self.merged: list = []           # the slots merged so far, in order
+        self.reach = torch.zeros(n)      # per row: a bound of the merged updates' sum's largest |value|
+        self._known: dict = {}           # slot name -> its `_Factors`
+
+    def _factors(self, s) -> "_Factors | None":
+        if s.name not in self._known:
+            self._known[s.name] = _Factors.of(s)
+        return self._known[s.name]
 
     def _base(self, rows: torch.Tensor) -> torch.Tensor:
         dev = self.q.device
@@ -155,144 +168,93 @@ class _QuantRows:
             return self._full[rows.to(dev)].float()
         return qrows.dequantized_rows(self.q, rows.to(dev))
 
-    def _bound(self, s, low: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(fp32 [out]: a bound of each row's largest |value| of slot `s`'s update, the rows whose
-        bound is only the cheap one or None): from its factors for every row (|scale| x sum_r
-        |up[i, r]| max_j |down[r, j]|), exact (chunked products) for the rows that bound lets reach
-        `low`, so the rows searched stay few."""
-        n = self.row_max.numel()
-        stack = s.update.stack()
-        if stack is None:
-            return self._exact_bound(s, torch.arange(n), torch.empty(n)), None
-        down, up, scale = stack
-        k = abs(float(scale) * s.strength)
-        out = (up.float().abs() @ down.float().abs().amax(dim=1)).cpu() * (k * 1.001)
-        cheap = self.row_max + out + (self.moved if self.moved is not None else math.inf) < low
-        return self._exact_bound(s, torch.nonzero(~cheap).reshape(-1), out), cheap
+    def _row_bound(self, s) -> torch.Tensor:
+        """fp32 [out]: a bound of each row's largest |value| of slot `s`'s update from its factors alone
+        (no product): the smaller of |k| sum_r |up[i, r]| max_j |down[r, j]| and the norms' bound
+        (`_Factors`); inf for an update that is not low-rank."""
+        f = self._factors(s)
+        if f is None:
+            return torch.full((self.row_max.numel(),), math.inf)
+        return torch.minimum(f.terms_bound, f.row_norm * float(f.col_norm.amax())).cpu()
 
-    def _exact_bound(self, s, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` with the exact largest |value| of slot `s`'s update at `rows` (x 1.0001: the fp32
-        roundings of the update as the merge computes it)."""
-        dev = self.q.device
-        for i in range(0, rows.numel(), REFINE_ROWS):
-            part = rows[i:i + REFINE_ROWS]
-            out[part] = self.w.delta_rows(part.to(dev), [s]).abs().amax(dim=1).cpu() * 1.0001
-        return out
-
-    def _settle(self) -> None:
-        """Make exact the bounds the last merge's moves kept cheap (when a later adapter is measured:
-        the cheap ones would let nearly every row reach the top)."""
-        if self._cheap is None:
-            return
-        s, cheap, before, step = self._cheap
-        self._cheap = None
-        rows = torch.nonzero(cheap).reshape(-1)
-        self.moved[rows] = before[rows] + self._exact_bound(s, rows, torch.empty(cheap.numel()))[rows] + step
-
-    def _missing(self) -> torch.Tensor:
-        """The rows not held."""
-        every = torch.arange(self.row_max.numel())
-        return every[~torch.isin(every, self.sel)]
-
-    def _hold_all(self) -> torch.Tensor:
-        """Hold and measure every row (as dear as the whole: no search); the rows it added."""
-        new, self.measured = self._missing(), slice(None)
-        self._add(new)
-        return new
-
-    def _add(self, rows: torch.Tensor) -> None:
-        """Hold `rows` too (unmeasured): their base values with the merges so far replayed."""
-        cur = self._base(rows)
-        dev = self.q.device
-        for s, amax in self.history:  # at each merge's own scale
-            cur = qrows.grid_round_rows(self.q, cur + self.w.delta_rows(rows.to(dev), [s]), amax, self.seed)
-        self.sel, self.cur = torch.cat([self.sel, rows]), torch.cat([self.cur, cur])
-
-    def _reach(self, b: torch.Tensor, low: float) -> torch.Tensor:
-        """Rows not held that may reach a |value| of `low` after the update bounded by `b`."""
-        need = torch.nonzero(self.row_max + self.moved + b >= low).reshape(-1)
-        return need[~torch.isin(need, self.sel)]
-
-    def _block_top(self, s, b: torch.Tensor, low: float) -> float | None:
-        """The merged tensor's largest |value| after slot `s`'s update, given `low`, the largest the
-        held rows reach: from the blocks elsewhere that may reach it (their values with the merges
-        so far replayed block by block); None when they are more than `search_limit` elements."""
-        limit = self.search_limit
-        held = torch.zeros(self.row_max.numel(), dtype=torch.bool)
-        held[self.sel] = True
-        room = self.moved + b
-        rows = torch.nonzero(~held & (self.row_max + room >= low)).reshape(-1)
+    def _top(self, s, low: float):
+        """(the largest |value| of W + the merged updates + slot `s`'s update over the whole tensor, given
+        `low`, the held rows' largest; `s`'s row bound; (rows, the exact largest |value| of the updates'
+        sum in each) where the search computed whole rows, else None). Screens, each cheaper than the
+        next: rows whose bound cannot reach `low`; in the others, elements whose base value cannot
+        (stored bytes for per-tensor fp8 / int8); then elements whose base value plus the updates'
+        element bounds (|k| ||up[i]|| ||down[:, j]|| per update) cannot. The rest are computed one by
+        one (a rank-long product each), or, when that would cost more, those rows whole (row chunks)."""
+        b = self._row_bound(s)
+        room = self.reach + b
+        rows = torch.nonzero(~self.held & (self.row_max + room >= low)).reshape(-1)
         if rows.numel() == 0:
-            return low
-        if self._elementwise:
-            found = qrows.elements_at_least(self.q, low - room[rows], limit, rows)
-            if found is None:
-                return None
-            r, c = found
-        else:
-            vals = self._base(rows)
-            sub = vals.abs() >= (low - room[rows]).to(vals.device)[:, None]
-            if int(sub.sum()) > limit:
-                return None
-            i, c = torch.nonzero(sub, as_tuple=True)
-            r, c = rows[i.cpu()], c.cpu()
-        if r.numel() == 0:
-            return low
-        per_row = self.q.shape[1] // self.block
-        blocks = torch.unique(r * per_row + c // self.block)
-        if blocks.numel() * self.block > limit:  # as dear as holding rows: the caller takes rows
-            return None
-        r = blocks // per_row
-        c = (blocks % per_row)[:, None] * self.block + torch.arange(self.block)[None]
-        cur = self._base_at(r, c)
-        for past, amax in self.history:  # the merges so far, block by block
-            cur = self._round_blocks(cur + _low_rank_at(past, r, c), amax)
-        return max(low, float((cur + _low_rank_at(s, r, c)).abs().amax()))
+            return low, b, None
+        slots = self.merged + [s]
+        factors = [self._factors(p) for p in slots]
+        dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
+        base = None
+        if None not in factors:
+            rank = sum(f.rank for f in factors)
+            if self._elementwise:
+                found = qrows.elements_at_least(self.q, low - room[rows], dense // SCREEN_COST, rows)
+                if found is not None:
+                    r, c = found
+                    vals = qrows.dequantized_at(self.q, r, c)
+            else:
+                base = self._base(rows)
+                hit = base.abs() >= (low - room[rows]).to(base.device)[:, None]
+                found = None
+                if int(torch.count_nonzero(hit)) <= dense // SCREEN_COST:
+                    i, c = torch.nonzero(hit, as_tuple=True)
+                    r, c, vals = rows[i.cpu()], c.cpu(), base[hit]
+                    found = r, c
+            if found is not None:
+                vals = vals.cpu()
+                each = [f.element_bound(r, c) for f in factors]  # the merged slots', then s's
+                reach = torch.minimum(room[r], torch.minimum(self.reach[r] + each[-1], sum(each)))
+                keep = vals.abs() + reach >= low
+                r, c, vals = r[keep], c[keep], vals[keep]
+                if r.numel() * rank <= dense * GATHER_COST:
+                    for f in factors:
+                        vals = vals + f.at(r, c)
+                    return max(low, float(vals.abs().amax())) if vals.numel() else low, b, None
+        top, exact = self._dense_top(rows, slots, low, base)
+        return top, b, (rows, exact)
 
-    def _base_at(self, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """fp32 [m, width]: the base weight at rows `r` [m], columns `c` [m, width]."""
-        if self._elementwise:
-            return qrows.dequantized_at(self.q, r.repeat_interleave(c.shape[1]), c.reshape(-1)).reshape(c.shape)
-        rows, at = torch.unique(r, return_inverse=True)
-        vals = self._base(rows)
-        return vals[at.to(vals.device)[:, None], c.to(vals.device)]
-
-    def _round_blocks(self, exact: torch.Tensor, amax) -> torch.Tensor:
-        if self.block == 1:  # elements quantize on their own: one row of them
-            return qrows.grid_round_rows(self.q, exact.reshape(1, -1), amax, self.seed).reshape(exact.shape)
-        return qrows.grid_round_rows(self.q, exact, amax, self.seed)
+    def _dense_top(self, rows: torch.Tensor, slots: list, low: float, base):
+        """(the largest |value| of W + the slots' updates over `rows`, at least `low`; each row's exact
+        largest |value| of the updates' sum), in chunks of rows. `base`: the rows' values, if read."""
+        cols, dev = self.q.shape[1], self.q.device
+        step = max(1, DENSE_CHUNK // cols)
+        top, exact = low, torch.empty(rows.numel())
+        # an update that reads the weight (DoRA) reads it dequantized once, not once per chunk
+        src = self.w.weight2d.detach() if any(p.update.needs_weight and p.frozen_delta is None for p in slots) \
+            else self.q
+        for i in range(0, rows.numel(), step):
+            part = rows[i:i + step]
+            upd = weight_merge.delta_rows(src, part.to(dev), slots, False)
+            most = upd.abs().amax(dim=1)
+            exact[i:i + step] = most.cpu()
+            if self._elementwise:  # only the elements whose base value can reach the top so far
+                r, c = qrows.elements_at_least(self.q, top - most, part.numel() * cols, part)
+                if r.numel() == 0:
+                    continue
+                at = torch.searchsorted(part, r).to(dev)
+                vals = qrows.dequantized_at(self.q, r, c) + upd[at, c.to(dev)]
+            else:
+                vals = (base[i:i + step] if base is not None else self._base(part)) + upd
+            top = max(top, float(vals.abs().amax()))
+        return top, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
     def measure(self, s, name: str):
-        n = self.row_max.numel()
-        self._settle()
-        if self.history and self.sel.numel() < n and (self.step is None or self.step >= COARSE_STEP):
-            self._hold_all()  # after a merge on a coarse grid any row may reach the top
         d = self.w.delta_rows(self.sel.to(self.q.device), [s])
-        if self.sel.numel() == n:  # every row held: the top is in hand
-            return self._merged_rows(d, s, name, None)
-        # the largest |value| the held rows reach is a floor for the whole tensor's
-        low = float((self.cur + d).abs().amax())
-        b, cheap = self._bound(s, low)
-        if self.block is not None and self.moved is not None and all(
-                p.update.stack() is not None for p, _ in self.history + [(s, None)]):
-            top = self._block_top(s, b, low)
-            if top is not None:
-                return self._merged_rows(d, s, name, (b, cheap), torch.tensor(top))
-        new = self._reach(b, low)
-        if new.numel():
-            if self.sel.numel() + new.numel() > MAX_CANDIDATE_SHARE * n:
-                new = self._hold_all()
-            else:
-                self._add(new)
-            d = torch.cat([d, self.w.delta_rows(new.to(self.q.device), [s])])
-        return self._merged_rows(d, s, name, (b, cheap))
-
-    def _merged_rows(self, d, s, name: str, b, amax=None):
-        """The held rows merged with `d` at the scale of the largest |value| `amax` (default: theirs)."""
-        exact = self.cur + d
-        amax = exact.abs().amax() if amax is None else amax
-        rounded = qrows.grid_round_rows(self.q, exact, amax, self.seed)
-        return self._sums(exact, rounded, d, name) + ((rounded, amax, s, b),)
+        summed = self.summed + d
+        top, b, exact = self._top(s, float(summed.abs().amax()))
+        exact_rows = self.cur + d
+        amax = torch.tensor(top)
+        rounded = qrows.grid_round_rows(self.q, exact_rows, amax, self.seed)
+        return self._sums(exact_rows, rounded, d, name) + ((rounded, amax, s, b, exact, summed),)
 
     def _sums(self, exact, rounded, d, name: str) -> tuple[float, float]:
         m = self.measured
@@ -302,30 +264,49 @@ class _QuantRows:
         return e * k, _sq(d[m]) * k
 
     def advance(self, after) -> None:
-        """`after`: (rounded rows, largest |value|, slot, (bound, its cheap rows) or None)."""
-        rounded, amax, s, bound = after
-        self.cur = rounded
-        self.history.append((s, amax))
-        if self.step is None or self.moved is None or bound is None:
-            self.moved = None
-            return
-        b, cheap = bound
-        before, step = self.moved, self.step * float(amax)
-        self.moved = before + b + step
-        if cheap is not None and bool(cheap.any()):
-            self._cheap = (s, cheap, before, step)
+        """`after`: (rounded rows, the top, slot, its row bound, (rows, exact sums' maxima) or None,
+        the held rows' unrounded sum)."""
+        rounded, _, s, b, exact, summed = after
+        self.cur, self.summed = rounded, summed
+        self.merged.append(s)
+        self.reach = self.reach + b
+        if exact is not None:
+            rows, most = exact
+            self.reach[rows] = torch.minimum(self.reach[rows], most)
 
 
-def _low_rank_at(s, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 [m, width]: slot `s`'s low-rank update at rows `rows` [m], columns `cols` [m, width],
-    times its strength (in chunks of about 2**16 elements: the gathered factors stay small)."""
-    down, up, scale = s.update.stack()
-    dev = up.device
-    rows, cols = rows.to(dev), cols.to(dev)
-    step = max(1, (1 << 16) // cols.shape[1])
-    out = [torch.einsum("mr,rmw->mw", up[rows[i:i + step]].float(), down[:, cols[i:i + step]].float())
-           for i in range(0, rows.numel(), step)]
-    return (torch.cat(out) if out else torch.zeros(cols.shape, device=dev)) * float(scale) * s.strength
+class _Factors:
+    """A low-rank slot's factors on the CPU in fp32, its scale x strength `k` in the up factor: the
+    bounds and single elements the top's search reads (`of`: None for an update that is not low-rank)."""
+
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, k: float):
+        self.up = up.float().cpu() * k
+        self.down_t = down.float().cpu().t().contiguous()  # [in, rank]: a column's factors side by side
+        self.rank = self.up.shape[1]
+        # x 1.001: the fp32 roundings of the update as the merge computes it
+        self.row_norm = torch.linalg.vector_norm(self.up, dim=1) * 1.001
+        self.col_norm = torch.linalg.vector_norm(self.down_t, dim=1)
+        self.terms_bound = (self.up.abs() @ self.down_t.abs().amax(dim=0)) * 1.001
+
+    @staticmethod
+    def of(s) -> "_Factors | None":
+        stack = s.update.stack()
+        if stack is None:
+            return None
+        down, up, scale = stack
+        return _Factors(down, up, float(scale) * s.strength)
+
+    def element_bound(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """A bound of |update| at each (row, col): the norms' product (Cauchy-Schwarz)."""
+        return self.row_norm[rows] * self.col_norm[cols]
+
+    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """fp32 [m]: the update at each (row, col), in chunks that stay in cache."""
+        out = torch.empty(rows.numel())
+        for i in range(0, rows.numel(), GATHER_CHUNK):
+            r, c = rows[i:i + GATHER_CHUNK], cols[i:i + GATHER_CHUNK]
+            out[i:i + GATHER_CHUNK] = (self.up[r] * self.down_t[c]).sum(dim=1)
+        return out
 
 
 class SequentialEstimate:

@@ -21,11 +21,6 @@ Contract
   `dequantized_rows(w, rows)` reads any rows as a weight of their own (their scales laid out
   again), bit for bit the rows of the whole dequantization; `row_bound(w)` (nvfp4) bounds each
   row's largest |value| from its scales alone.
-- `block_width(w)`: the columns a row-wise layout quantizes together (per-tensor fp8 / int8: 1,
-  nvfp4: 16, mxfp8: 32), or None when whole rows must go together; blocks of any rows, laid out as
-  the rows of a tensor of that width, re-quantize as in the whole tensor (`grid_round_rows`).
-- `top_step(w, amax)`: an upper bound of one grid step anywhere in the tensor when its largest
-  ``|value|`` is `amax` (how far a re-quantization can move a value), or None when unknown.
 """
 from __future__ import annotations
 
@@ -39,24 +34,7 @@ _FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8
 ROW_WISE_LAYOUTS = frozenset(_FP8_LAYOUTS + (
     "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout",
     "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"))
-# the largest grid step relative to the largest value, per storage: per-tensor fp8 puts amax at the dtype's
-# max (e4m3: 448, step 32 in its top binade; e5m2: 57344, step 8192), int8 at 127 (step 1); mxfp8's
-# power-of-two block scale can sit up to 2x above its block's max (e4m3 elements)
-_FP8_STEP = {torch.float8_e4m3fn: 32 / 448, torch.float8_e5m2: 8192 / 57344}
-_RELATIVE_STEP = {"TensorWiseINT8Layout": 1 / 127, "TensorCoreMXFP8Layout": 2 * 32 / 448}
-
-
-_BLOCK = {"TensorWiseINT8Layout": 1, "TensorCoreMXFP8Layout": 32, "TensorCoreNVFP4Layout": 16}
-
-
-def block_width(w) -> int | None:
-    """The columns `w`'s layout quantizes together, or None (whole rows)."""
-    layout = quant_layout(w)
-    if layout in _FP8_LAYOUTS:
-        return 1
-    if layout == "TensorWiseINT8Layout" and getattr(w._params, "convrot", False):
-        return None
-    return _BLOCK.get(layout)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # layouts whose scales belong to blocks of one row and none spans the tensor (re-quantizing rows
@@ -153,7 +131,7 @@ def row_bound(w) -> torch.Tensor:
 def stored_row_absmax(w) -> torch.Tensor:
     """fp32 [out]: each row's largest |value| of an `elementwise` weight, read from its stored bytes."""
     q = w._qdata
-    if q.dtype not in _FP8_STEP:  # int8: |-128| does not fit int8, so the row's top is scaled here
+    if q.dtype not in _FP8_DTYPES:  # int8: |-128| does not fit int8, so the row's top is scaled here
         top = torch.maximum(q.amax(dim=1).to(torch.int16), -q.amin(dim=1).to(torch.int16))
         return top.to(torch.float32) * w._params.scale.to(torch.float32)
     top = (q.view(torch.uint8) & 0x7F).amax(dim=1).view(q.dtype)  # magnitude bits order like magnitudes
@@ -170,14 +148,15 @@ def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None
     if rows is not None:
         q = q[rows.to(q.device)]
     t = torch.as_tensor(t, dtype=torch.float32).reshape(-1, 1).to(q.device)
-    if q.dtype in _FP8_STEP:  # the smallest magnitude byte whose value reaches t (128: none)
+    if q.dtype in _FP8_DTYPES:  # the smallest magnitude byte whose value reaches t (128: none)
         table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
         table = torch.where(torch.isfinite(table), table, torch.inf).to(q.device)
-        hit = (q.view(torch.uint8) & 0x7F).to(torch.int16) >= torch.searchsorted(table, t).to(torch.int16)
-    else:  # |stored| at least t / scale, from just below the exact ceiling: never miss an element
-        k = torch.clamp(torch.ceil(t / scale * (1 - 1e-6)), min=1).clamp(max=1 << 14).to(torch.int16)
-        hit = q.to(torch.int16).abs() >= k
-    if int(hit.sum()) > limit:
+        hit = (q.view(torch.uint8) & 0x7F) >= torch.searchsorted(table, t).to(torch.uint8)
+    else:  # |stored| at least t / scale, from just below the exact ceiling: never miss an element;
+        # compared as bytes (|-128| is 0x80 read as uint8; 129: none), never widened
+        k = torch.clamp(torch.ceil(t / scale * (1 - 1e-6)), min=1).clamp(max=129).to(torch.uint8)
+        hit = q.abs().view(torch.uint8) >= k
+    if int(torch.count_nonzero(hit)) > limit:  # a bool sum widens every element to int64
         return None
     r, cols = torch.nonzero(hit, as_tuple=True)
     r = r.cpu()
@@ -204,13 +183,3 @@ def grid_round_rows(w, exact: torch.Tensor, amax: torch.Tensor | None, seed: int
     extra[0, 0] = amax
     out = w.requantize_from_float(torch.cat([exact, extra]), **kwargs)
     return dequantized(out)[:-1]
-
-
-def top_step(w, amax: float) -> float | None:
-    """Upper bound of one grid step of `w`'s layout when the tensor's largest |value| is `amax`."""
-    layout = quant_layout(w)
-    if layout in _FP8_LAYOUTS:
-        rel = _FP8_STEP.get(w._qdata.dtype)
-    else:
-        rel = _RELATIVE_STEP.get(layout)
-    return None if rel is None else rel * amax * 1.01

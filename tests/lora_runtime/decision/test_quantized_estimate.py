@@ -49,12 +49,12 @@ def _layer(layout: str, sizes=(0.02,), seed: int = 0) -> AdaptedLayer:
 
 
 def _whole(w: AdaptedLayer, names: list[str]) -> list[float]:
-    """The largest |value| of each whole merge in turn, re-quantized whole (round to nearest)."""
-    cur, out = w.weight2d.clone(), []
+    """The largest |value| of W + each run of updates in turn (the whole fp32 sum: one re-quantization
+    of it is what a merge of those adapters does)."""
+    total, out = w.weight2d.clone(), []
     for name in names:
-        exact = cur + w.delta_rows(slice(None), [w.slots[name]])
-        out.append(float(exact.abs().amax()))
-        cur = w.grid_round(exact)
+        total += w.delta_rows(slice(None), [w.slots[name]])
+        out.append(float(total.abs().amax()))
     return out
 
 
@@ -73,6 +73,43 @@ def test_the_sample_takes_the_whole_merges_scale(layout):
     assert float(after2["l"][1]) == pytest.approx(whole[1], rel=1e-6)
     sample_only = float((w.weight2d[even] + w.delta_rows(even, [w.slots["a0"]])).abs().amax())
     assert sample_only < 0.9 * whole[0]  # the wrong answer: the sample's own top
+
+
+SEARCHES = {"rows whole": (1 << 30, 1), "single elements": (1, 1 << 30)}  # (SCREEN_COST, GATHER_COST)
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
+def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypatch):
+    """Three adapters merged in turn; the first two move the tensor's largest |value| into a row the
+    sample does not hold (nor the rows with the largest stored values): each alone does not, their
+    sum does, so the third's search must carry the earlier merges' reach. Either search (single
+    elements, or the candidate rows computed whole) finds the whole sum's top; the wrong answer is
+    the held rows' own largest value."""
+    screen, gather = SEARCHES[search]
+    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
+    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    w = _layer(layout, sizes=(0.02, 0.01, 0.01))
+    with torch.no_grad():  # a0 and a1 each add 0.25 at (77, 5): a row with only ordinary stored values
+        for name in ("a0", "a1"):
+            u = w.slots[name].update
+            u.up[77] = 0.0
+            u.up[77, 0] = 1.0
+            u.down[0] = 0.0
+            u.down[0, 5] = 0.25
+    est = estimate.SequentialEstimate([w])
+    rows = est.rows["l"]
+    assert 77 not in rows.sel.tolist()
+    tops = []
+    for name in ("a0", "a1", "a2"):
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    whole = _whole(w, ["a0", "a1", "a2"])
+    assert tops == pytest.approx(whole, rel=1e-6)
+    total = w.weight2d + w.delta_rows(slice(None), [w.slots[n] for n in ("a0", "a1", "a2")])
+    assert int(total.abs().argmax()) // COLS == 77  # the top sits in the row nobody holds
+    assert float(rows.summed.abs().amax()) < 0.95 * whole[2]  # the wrong answer: the held rows' top
 
 
 @pytest.mark.parametrize("layout", ROW_LOCAL)
@@ -108,11 +145,11 @@ def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
 
 
 @pytest.mark.parametrize("layout,sizes", [("TensorCoreFP8Layout", (0.05, 0.04)), ("TensorWiseINT8Layout", (0.05, 0.04)),
-                                          ("TensorCoreMXFP8Layout", (0.05, 0.04)), ("TensorCoreNVFP4Layout", (0.05,))])
+                                          ("TensorCoreMXFP8Layout", (0.05, 0.04)), ("TensorCoreNVFP4Layout", (0.05, 0.04))])
 def test_per_tensor_layouts_never_read_the_whole_weight(layout, sizes, monkeypatch):
     """The measurement dequantizes and re-quantizes at most a quarter of the weight's elements
-    (what makes it cost a fraction of a merge, which does both to every element). nvfp4's grid step
-    has no bound, so after a merge later adapters hold every row (module doc): one adapter there."""
+    (what makes it cost a fraction of a merge, which does both to every element), also for a second
+    adapter measured after the first merged."""
     w = _layer(layout, sizes=sizes)
     seen = {"dequantized": 0, "requantized": 0}
     real_dq, real_rq = quantized_rows.dequantized, type(w.get_base_layer().weight).requantize_from_float
