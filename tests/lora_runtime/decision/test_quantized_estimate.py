@@ -112,6 +112,31 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
     assert float(rows.summed.abs().amax()) < 0.95 * whole[2]  # the wrong answer: the held rows' top
 
 
+@pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout"])
+def test_updates_without_low_rank_factors_take_the_rows_whole(layout):
+    """A DoRA update (its delta reads the weight) merged, then a full-weight diff measured after it:
+    neither has factors to bound, so the search computes the candidate rows whole; the top still
+    equals the whole sum's. Wrong answer: the held rows' own top."""
+    g = torch.Generator().manual_seed(9)
+    w = _layer(layout, sizes=())
+    down, up = torch.randn(RANK, COLS, generator=g) * 0.02, torch.randn(ROWS, RANK, generator=g) * 0.02
+    magnitude = torch.linalg.vector_norm(w.weight2d, dim=1, keepdim=True) * 1.05
+    w.add_adapter("dora", LayerAdapter("l", down=down, up=up, dora_scale=magnitude), 1.0, content_hash="d")
+    diff = torch.zeros(ROWS, COLS)
+    diff[77, 5] = 0.6  # the top moves into a row nobody holds
+    w.add_adapter("diff", LayerAdapter("l", diff=diff), 1.0, content_hash="f")
+    assert w.slots["dora"].update.stack() is None and w.slots["diff"].update.stack() is None
+    est = estimate.SequentialEstimate([w])
+    rows = est.rows["l"]
+    tops = []
+    for name in ("dora", "diff"):
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    assert tops == pytest.approx(_whole(w, ["dora", "diff"]), rel=1e-6)
+    assert 77 not in rows.sel.tolist() and float(rows.summed.abs().amax()) < 0.95 * tops[1]
+
+
 @pytest.mark.parametrize("layout", ROW_LOCAL)
 def test_row_local_samples_are_the_whole_merges_rows(layout):
     """mxfp8 and the 4-bit layouts have no scale spanning the tensor: the sampled rows, merged twice in
