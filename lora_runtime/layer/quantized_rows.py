@@ -145,9 +145,14 @@ def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None
     or one per row of `rows`), among `rows` (default: every row; only those are read); None when
     they are more than `limit`."""
     q, scale = w._qdata, float(w._params.scale)
+    t = torch.as_tensor(t, dtype=torch.float32)
+    if rows is not None and 2 * rows.numel() >= q.shape[0]:  # most rows: read them in place, the rest at inf
+        every = torch.full((q.shape[0],), torch.inf)
+        every[rows.cpu()] = t.cpu()
+        t, rows = every, None
     if rows is not None:
         q = q[rows.to(q.device)]
-    t = torch.as_tensor(t, dtype=torch.float32).reshape(-1, 1).to(q.device)
+    t = t.reshape(-1, 1).to(q.device)
     if q.dtype in _FP8_DTYPES:  # the smallest magnitude byte whose value reaches t (128: none)
         table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
         table = torch.where(torch.isfinite(table), table, torch.inf).to(q.device)
