@@ -201,6 +201,10 @@ class _QuantRows:
                 if found is not None:
                     r, c = found
                     vals = qrows.dequantized_at(self.q, r, c)
+            elif qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
+                found = self._block_screen(rows, low - room[rows], dense // SCREEN_COST)
+                if found is not None:
+                    r, c, vals = found
             else:
                 base = self._base(rows)
                 hit = base.abs() >= (low - room[rows]).to(base.device)[:, None]
@@ -222,6 +226,19 @@ class _QuantRows:
         top, exact = self._dense_top(rows, slots, low, base)
         return top, b, (rows, exact)
 
+    def _block_screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int):
+        """(rows, cols, values) of the elements of `rows` whose |value| is at least `need` (one per row),
+        reading only the blocks whose scale bound reaches it; None past `limit` elements read."""
+        bound = qrows.block_bound(self.q, rows)
+        hit = bound >= need[:, None]
+        if int(torch.count_nonzero(hit)) * qrows.NVFP4_BLOCK > limit:
+            return None
+        i, blk = torch.nonzero(hit, as_tuple=True)
+        vals = qrows.dequantized_blocks(self.q, rows[i], blk).cpu()
+        keep = vals.abs() >= need[i][:, None]
+        k, j = torch.nonzero(keep, as_tuple=True)
+        return rows[i[k]], blk[k] * qrows.NVFP4_BLOCK + j, vals[k, j]
+
     def _dense_top(self, rows: torch.Tensor, slots: list, low: float, base):
         """(the largest |value| of W + the slots' updates over `rows`, at least `low`; each row's exact
         largest |value| of the updates' sum), in chunks of rows. `base`: the rows' values, if read."""
@@ -242,6 +259,12 @@ class _QuantRows:
                     continue
                 at = torch.searchsorted(part, r).to(dev)
                 vals = qrows.dequantized_at(self.q, r, c) + upd[at, c.to(dev)]
+            elif base is None and qrows.reads_blocks(self.q):  # only the blocks that can reach the top
+                r, c, vals = self._block_screen(part, (top - most).cpu(), part.numel() * cols)
+                if r.numel() == 0:
+                    continue
+                at = torch.searchsorted(part, r).to(dev)
+                vals = vals.to(dev) + upd[at, c.to(dev)]
             else:
                 vals = (base[i:i + step] if base is not None else self._base(part)) + upd
             top = max(top, float(vals.abs().amax()))

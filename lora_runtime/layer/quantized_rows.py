@@ -20,7 +20,8 @@ Contract
 - `swizzled(w)`: block scales stored in the cuBLAS block-scaling layout (mxfp8, nvfp4):
   `dequantized_rows(w, rows)` reads any rows as a weight of their own (their scales laid out
   again), bit for bit the rows of the whole dequantization; `row_bound(w)` (nvfp4) bounds each
-  row's largest |value| from its scales alone.
+  row's largest |value| from its scales alone, `block_bound(w, rows)` each 16-element block's, and
+  `dequantized_blocks(w, rows, blocks)` reads single blocks, bit for bit.
 """
 from __future__ import annotations
 
@@ -125,6 +126,45 @@ def row_bound(w) -> torch.Tensor:
     field, _ = _SWIZZLED[quant_layout(w)]
     top = bs.amax(dim=1).view(getattr(w._params, field).dtype).to(torch.float32)
     return (w._params.scale.to(torch.float32) * top * _FP4_MAX).cpu()
+
+
+def reads_blocks(w) -> bool:
+    """Can `w`'s 16-element blocks be bounded and read alone (`block_bound`, `dequantized_blocks`: nvfp4)?"""
+    return quant_layout(w) == "TensorCoreNVFP4Layout" and swizzled(w)
+
+
+NVFP4_BLOCK = 16
+
+
+@torch.no_grad()
+def block_bound(w, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [len(rows), in / 16]: a bound of each 16-element block's largest |value| in `rows` of an
+    nvfp4 weight, from its scales only (as `row_bound`, block by block)."""
+    field, _ = _SWIZZLED[quant_layout(w)]
+    bs = _scale_rows(w, rows.to(w._qdata.device))[:, : w.shape[1] // NVFP4_BLOCK]
+    top = bs.contiguous().view(getattr(w._params, field).dtype).to(torch.float32)
+    return (w._params.scale.to(torch.float32) * top * _FP4_MAX).cpu()
+
+
+@torch.no_grad()
+def dequantized_blocks(w, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 [m, 16]: the values of blocks `blocks` [m] (block index within the row) of rows `rows` [m]
+    of an nvfp4 weight, bit for bit the whole dequantization's: each block read as one row of a
+    weight of its own, 64 wide (its block, then three empty ones: a block-scale row is 4 wide)."""
+    field, _ = _SWIZZLED[quant_layout(w)]
+    scale, dev = getattr(w._params, field), w._qdata.device
+    rows, blocks, m = rows.to(dev).long(), blocks.to(dev).long(), rows.numel()
+    flat = scale.reshape(-1).view(torch.uint8)
+    cols = scale.shape[-1]
+    at = ((rows // 128) * (cols // 4) + blocks // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 + blocks % 4
+    own = torch.zeros((m + 127) // 128 * 128 * 4, dtype=torch.uint8, device=dev)
+    own[_tiled_index(torch.arange(m, device=dev), 4)[:, 0]] = flat[at]
+    half = NVFP4_BLOCK // 2  # two e2m1 values per stored byte
+    q = torch.zeros(((m + 15) // 16 * 16, 2 * NVFP4_BLOCK), dtype=w._qdata.dtype, device=dev)
+    q[:m, :half] = w._qdata[rows[:, None], blocks[:, None] * half + torch.arange(half, device=dev)]
+    params = dataclasses.replace(w._params, **{field: own.reshape(-1, 4).view(scale.dtype)},
+                                 orig_shape=(m, 4 * NVFP4_BLOCK), orig_dtype=torch.float32)
+    return dequantized(w._copy_with(qdata=q, params=params))[:, :NVFP4_BLOCK]
 
 
 @torch.no_grad()

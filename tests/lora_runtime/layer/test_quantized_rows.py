@@ -103,3 +103,11 @@ def test_swizzled_layouts_read_any_rows_alone(layout):
     if layout == "TensorCoreNVFP4Layout":
         bound, top = qr.row_bound(q), full.abs().amax(dim=1)
         assert bool((bound >= top).all()) and float((bound / top).max()) < 2.0
+        # single 16-element blocks: bounded from their scales, and read alone bit for bit
+        blocks = full.abs().reshape(full.shape[0], -1, qr.NVFP4_BLOCK).amax(dim=2)
+        bound = qr.block_bound(q, torch.arange(full.shape[0]))
+        assert bool((bound >= blocks).all()) and float((bound / blocks).max()) < 2.0
+        rows, at = torch.tensor([0, 150, 299, 131, 150, 7]), torch.tensor([0, 0, 15, 8, 1, 3])
+        want = torch.stack([full[r, b * 16:(b + 1) * 16] for r, b in zip(rows.tolist(), at.tolist())])
+        assert qr.reads_blocks(q) and torch.equal(qr.dequantized_blocks(q, rows, at), want)
+        assert not torch.equal(qr.dequantized_blocks(q, rows, (at + 1) % 16), want)  # the wrong answer: the next block
