@@ -181,17 +181,22 @@ class _QuantRows:
         """(the largest |value| of W + the merged updates + slot `s`'s update over the whole tensor, given
         `low`, the held rows' largest; `s`'s row bound; (rows, the exact largest |value| of the updates'
         sum in each) where the search computed whole rows, else None). Screens, each cheaper than the
-        next: rows whose bound cannot reach `low`; in the others, elements whose base value cannot
+        next: rows whose bound cannot reach `low` (the updates' bounds summed, or the norms of the
+        stacked factors: ||[up_1 .. up_k][i]|| max_j ||[down_1; ..; down_k][:, j]||); in the others, elements whose base value cannot
         (stored bytes for per-tensor fp8 / int8); then elements whose base value plus the updates'
         element bounds (|k| ||up[i]|| ||down[:, j]|| per update) cannot. The rest are computed one by
         one (a rank-long product each), or, when that would cost more, those rows whole (row chunks)."""
         b = self._row_bound(s)
         room = self.reach + b
+        slots = self.merged + [s]
+        factors = [self._factors(p) for p in slots]
+        if len(factors) > 1 and None not in factors:  # the sum's own norms bound it closer than the terms'
+            stacked = torch.sqrt(sum(f.row_norm ** 2 for f in factors)) * float(
+                torch.sqrt(sum(f.col_norm ** 2 for f in factors)).amax())
+            room = torch.minimum(room, stacked)
         rows = torch.nonzero(~self.held & (self.row_max + room >= low)).reshape(-1)
         if rows.numel() == 0:
             return low, b, None
-        slots = self.merged + [s]
-        factors = [self._factors(p) for p in slots]
         dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
         base = None
         if None not in factors:
