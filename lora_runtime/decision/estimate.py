@@ -32,6 +32,7 @@ import torch
 from ..errors import NonFiniteMergeError
 from ..layer import quantized_rows as qrows
 from ..layer import weight_merge
+from .factor_bounds import Factors
 
 MAX_SAMPLE_ROWS = 1024
 # the auto measurement samples at most this many elements of each weight (whole rows, evenly
@@ -51,7 +52,6 @@ TOP_ROWS = 4
 # elements; else it computes those rows whole (chunks of DENSE_CHUNK elements): measured costs per element
 SCREEN_COST = 4
 GATHER_COST = 1
-GATHER_CHUNK = 4096
 DENSE_CHUNK = 1 << 20
 
 
@@ -155,11 +155,11 @@ class _QuantRows:
         self.summed = self.cur           # the held rows of W + the merged updates, unrounded
         self.merged: list = []           # the slots merged so far, in order
         self.reach = torch.zeros(n)      # per row: a bound of the merged updates' sum's largest |value|
-        self._known: dict = {}           # slot name -> its `_Factors`
+        self._known: dict = {}           # slot name -> its `Factors`
 
-    def _factors(self, s) -> "_Factors | None":
+    def _factors(self, s) -> "Factors | None":
         if s.name not in self._known:
-            self._known[s.name] = _Factors.of(s)
+            self._known[s.name] = Factors.of(s)
         return self._known[s.name]
 
     def _base(self, rows: torch.Tensor) -> torch.Tensor:
@@ -171,7 +171,7 @@ class _QuantRows:
     def _row_bound(self, s) -> torch.Tensor:
         """fp32 [out]: a bound of each row's largest |value| of slot `s`'s update from its factors alone
         (no product): the smaller of |k| sum_r |up[i, r]| max_j |down[r, j]| and the norms' bound
-        (`_Factors`); inf for an update that is not low-rank."""
+        (`Factors`); inf for an update that is not low-rank."""
         f = self._factors(s)
         if f is None:
             return torch.full((self.row_max.numel(),), math.inf)
@@ -301,40 +301,6 @@ class _QuantRows:
         if exact is not None:
             rows, most = exact
             self.reach[rows] = torch.minimum(self.reach[rows], most)
-
-
-class _Factors:
-    """A low-rank slot's factors on the CPU in fp32, its scale x strength `k` in the up factor: the
-    bounds and single elements the top's search reads (`of`: None for an update that is not low-rank)."""
-
-    def __init__(self, down: torch.Tensor, up: torch.Tensor, k: float):
-        self.up = up.float().cpu() * k
-        self.down_t = down.float().cpu().t().contiguous()  # [in, rank]: a column's factors side by side
-        self.rank = self.up.shape[1]
-        # x 1.001: the fp32 roundings of the update as the merge computes it
-        self.row_norm = torch.linalg.vector_norm(self.up, dim=1) * 1.001
-        self.col_norm = torch.linalg.vector_norm(self.down_t, dim=1)
-        self.terms_bound = (self.up.abs() @ self.down_t.abs().amax(dim=0)) * 1.001
-
-    @staticmethod
-    def of(s) -> "_Factors | None":
-        stack = s.update.stack()
-        if stack is None:
-            return None
-        down, up, scale = stack
-        return _Factors(down, up, float(scale) * s.strength)
-
-    def element_bound(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """A bound of |update| at each (row, col): the norms' product (Cauchy-Schwarz)."""
-        return self.row_norm[rows] * self.col_norm[cols]
-
-    def at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """fp32 [m]: the update at each (row, col), in chunks that stay in cache."""
-        out = torch.empty(rows.numel())
-        for i in range(0, rows.numel(), GATHER_CHUNK):
-            r, c = rows[i:i + GATHER_CHUNK], cols[i:i + GATHER_CHUNK]
-            out[i:i + GATHER_CHUNK] = (self.up[r] * self.down_t[c]).sum(dim=1)
-        return out
 
 
 class SequentialEstimate:
