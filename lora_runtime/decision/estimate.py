@@ -182,10 +182,11 @@ class _QuantRows:
         `low`, the held rows' largest; `s`'s row bound; (rows, the exact largest |value| of the updates'
         sum in each) where the search computed whole rows, else None). Screens, each cheaper than the
         next: rows whose bound cannot reach `low` (the updates' bounds summed, or the norms of the
-        stacked factors: ||[up_1 .. up_k][i]|| max_j ||[down_1; ..; down_k][:, j]||); in the others, elements whose base value cannot
-        (stored bytes for per-tensor fp8 / int8); then elements whose base value plus the updates'
-        element bounds (|k| ||up[i]|| ||down[:, j]|| per update) cannot. The rest are computed one by
-        one (a rank-long product each), or, when that would cost more, those rows whole (row chunks)."""
+        stacked factors: ||[up_1 .. up_k][i]|| max_j ||[down_1; ..; down_k][:, j]||); in the others,
+        elements whose base value cannot (stored bytes for per-tensor fp8 / int8, scale-bounded blocks
+        for nvfp4); then elements whose base value plus the updates' element bounds (|k| ||up[i]||
+        ||down[:, j]|| per update) cannot. The rest are computed one by one (a rank-long product each),
+        or, when that would cost more, those rows whole (row chunks)."""
         b = self._row_bound(s)
         room = self.reach + b
         slots = self.merged + [s]
