@@ -261,19 +261,16 @@ class _QuantRows:
             exact[i:i + step] = most.cpu()
             if self._elementwise:  # only the elements whose base value can reach the top so far
                 r, c = qrows.elements_at_least(self.q, top - most, part.numel() * cols, part)
-                if r.numel() == 0:
-                    continue
-                at = torch.searchsorted(part, r).to(dev)
-                vals = qrows.dequantized_at(self.q, r, c) + upd[at, c.to(dev)]
+                vals = qrows.dequantized_at(self.q, r, c) if r.numel() else None
             elif base is None and qrows.reads_blocks(self.q):  # only the blocks that can reach the top
                 r, c, vals = self._block_screen(part, (top - most).cpu(), part.numel() * cols)
-                if r.numel() == 0:
-                    continue
-                at = torch.searchsorted(part, r).to(dev)
-                vals = vals.to(dev) + upd[at, c.to(dev)]
             else:
                 vals = (base[i:i + step] if base is not None else self._base(part)) + upd
-            top = max(top, float(vals.abs().amax()))
+                top = max(top, float(vals.abs().amax()))
+                continue
+            if r.numel():
+                vals = vals.to(dev) + upd[torch.searchsorted(part, r).to(dev), c.to(dev)]
+                top = max(top, float(vals.abs().amax()))
         return top, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
     def measure(self, s, name: str):

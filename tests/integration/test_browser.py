@@ -381,6 +381,25 @@ def editor_assets(browser_tools, comfy, tmp_path_factory) -> dict:
                 n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "LoraRuntimeLoadAdapter")}
 
 
+def _driver_base(browser_tools: dict, comfy, work: Path, shots: Path) -> dict:
+    """The settings every driver run starts from, and the config keys every driver reads. A returning
+    user: no "Get started with a template" dialog over the canvas; and no minimap panel over the
+    canvas' bottom-right corner (set before the editor starts: switching it off later makes frontend
+    1.27.10 log "Attempted to cleanup event listeners for graph that was never set up"). No cached
+    node outputs: every node of the first run executes (and reports)."""
+    status, _ = comfy.post_json("/settings", {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False})
+    assert status == 200
+    comfy.free()
+    return {
+        "url": comfy.url + "/",
+        "chromium": browser_tools["chromium"],
+        "playwrightDir": browser_tools["playwright"],
+        "userDataDir": str(work / "chromium-profile"),
+        "fontconfigFile": str(dejavu_only_fontconfig(browser_tools["dejavu"], work)),
+        "screenshotDir": str(shots),
+    }
+
+
 @pytest.fixture(scope="module")
 def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dict:
     """Run the driver once; its results (stages, console, screenshots) for the tests below."""
@@ -389,22 +408,10 @@ def editor_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> dic
         for old in SCREENSHOT_DIR.glob("*.png"):
             old.unlink()
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    # a returning user: no "Get started with a template" dialog over the canvas; and no minimap
-    # panel over the canvas' bottom-right corner (set before the editor starts: switching it off
-    # later makes frontend 1.27.10 log "Attempted to cleanup event listeners for graph that was
-    # never set up")
-    status, _ = comfy.post_json("/settings", {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False})
-    assert status == 200
-    comfy.free()  # no cached node outputs: every node of the first run executes (and reports)
+    cfg = _driver_base(browser_tools, comfy, work, SCREENSHOT_DIR)
     time.sleep(1.0)
     update_docs = os.environ.get(ENV_UPDATE_DOCS) == "1"
-    cfg = {
-        "url": comfy.url + "/",
-        "chromium": browser_tools["chromium"],
-        "playwrightDir": browser_tools["playwright"],
-        "userDataDir": str(work / "chromium-profile"),
-        "fontconfigFile": str(dejavu_only_fontconfig(browser_tools["dejavu"], work)),
-        "screenshotDir": str(SCREENSHOT_DIR),
+    cfg |= {
         "docsScreenshot": str(DOCS_SCREENSHOT if update_docs else SCREENSHOT_DIR / "editor_lora_nodes.png"),
         "uiWorkflow": {"path": str(editor_assets["workflow_path"]), "name": editor_assets["workflow_path"].name,
                        "expected": expected_nodes(editor_assets["workflow"])},
@@ -917,17 +924,7 @@ def vue_stack_session(browser_tools, comfy, editor_assets, tmp_path_factory) -> 
     wf = stack_workflow(editor_assets["mode"])
     wf_path = work / STACK_WORKFLOW.name
     wf_path.write_text(json.dumps(wf, indent=1), encoding="utf-8")
-    # a returning user (no template dialog over the canvas), no minimap: as editor_session
-    status, _ = comfy.post_json("/settings", {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False})
-    assert status == 200
-    comfy.free()  # every node of the run executes (and reports)
-    cfg = {
-        "url": comfy.url + "/",
-        "chromium": browser_tools["chromium"],
-        "playwrightDir": browser_tools["playwright"],
-        "userDataDir": str(work / "chromium-profile"),
-        "fontconfigFile": str(dejavu_only_fontconfig(browser_tools["dejavu"], work)),
-        "screenshotDir": str(shots),
+    cfg = _driver_base(browser_tools, comfy, work, shots) | {
         "workflow": {"path": str(wf_path), "name": wf_path.name, "expected": expected_nodes(wf)},
         "stackId": STACK_ID,
         "samplerId": STACK_SAMPLER_ID,
