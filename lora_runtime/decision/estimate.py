@@ -18,8 +18,8 @@ Contract
   largest |value| of W + the updates merged so far + this one, summed whole in fp32: the scale a
   merge of those adapters recalculates (a merge rounds the sum once). For the first adapter that is
   the whole merge's own scale. The value is found exactly without forming the whole sum: the held
-  rows, then only the rows and elements that bounds of the updates (from their factors; exact row
-  maxima where rows were computed whole) let reach it (`_QuantRows._top`). With stochastic rounding
+  rows, then only the rows, column blocks and elements that bounds of the updates (from their factors;
+  exact row maxima where rows were computed whole) let reach it (`_QuantRows._top`). With stochastic rounding
   the sample is one draw of the merge's rounding, not the whole merge's own draw.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
@@ -137,8 +137,10 @@ class _QuantRows:
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
         self._elementwise = qrows.elementwise(self.q)
-        if self._elementwise:
-            self._full, self.row_max = None, qrows.stored_row_absmax(self.q).cpu()
+        self.blocks = None
+        if self._elementwise:  # rows and elements screened from the stored bytes' block maxima
+            self.blocks = qrows.stored_blocks(self.q)
+            self._full, self.row_max = None, qrows.stored_row_absmax(self.q, self.blocks).cpu()
         elif qrows.swizzled(self.q):  # rows read alone; row maxima bounded from the scales
             self._full, self.row_max = None, qrows.row_bound(self.q)
         else:  # the layout's own dequantization, once
@@ -181,20 +183,21 @@ class _QuantRows:
         """(the largest |value| of W + the merged updates + slot `s`'s update over the whole tensor, given
         `low`, the held rows' largest; `s`'s row bound; (rows, the exact largest |value| of the updates'
         sum in each) where the search computed whole rows, else None). Screens, each cheaper than the
-        next: rows whose bound cannot reach `low` (the updates' bounds summed, or the norms of the
-        stacked factors: ||[up_1 .. up_k][i]|| max_j ||[down_1; ..; down_k][:, j]||); in the others,
-        elements whose base value cannot (stored bytes for per-tensor fp8 / int8, scale-bounded blocks
-        for nvfp4); then elements whose base value plus the updates' element bounds (|k| ||up[i]||
-        ||down[:, j]|| per update) cannot. The rest are computed one by one (a rank-long product each),
-        or, when that would cost more, those rows whole (row chunks)."""
+        next, keep what can reach `low`: rows, by their base's largest value plus a bound of the
+        updates (their row bounds summed, or the stacked factors' norms ||[up_1 .. up_k][i]|| max_j
+        ||[down_1; ..; down_k][:, j]||); blocks of those rows, by their base's largest value (stored
+        bytes for per-tensor fp8 / int8, scales for nvfp4) plus the norms' bound over the block's
+        columns; elements, by their base value plus the norms' product at that element (Cauchy-Schwarz).
+        The rest are computed one by one (a rank-long product each), or, when that would cost more,
+        those rows whole (row chunks)."""
         b = self._row_bound(s)
         room = self.reach + b
         slots = self.merged + [s]
         factors = [self._factors(p) for p in slots]
-        if len(factors) > 1 and None not in factors:  # the sum's own norms bound it closer than the terms'
-            stacked = torch.sqrt(sum(f.row_norm ** 2 for f in factors)) * float(
-                torch.sqrt(sum(f.col_norm ** 2 for f in factors)).amax())
-            room = torch.minimum(room, stacked)
+        if None not in factors:  # the sum's own norms bound it closer than the terms'
+            up_norm = torch.sqrt(sum(f.row_norm ** 2 for f in factors))
+            down_norm = torch.sqrt(sum(f.col_norm ** 2 for f in factors))
+            room = torch.minimum(room, up_norm * float(down_norm.amax()))
         rows = torch.nonzero(~self.held & (self.row_max + room >= low)).reshape(-1)
         if rows.numel() == 0:
             return low, b, None
@@ -203,12 +206,14 @@ class _QuantRows:
         if None not in factors:
             rank = sum(f.rank for f in factors)
             if self._elementwise:
-                found = qrows.elements_at_least(self.q, low - room[rows], dense // SCREEN_COST, rows)
+                need = low - self._block_room(rows, room, up_norm, down_norm, qrows.BYTE_BLOCK)
+                found = qrows.elements_at_least(self.q, need, dense // SCREEN_COST, rows, self.blocks)
                 if found is not None:
                     r, c = found
                     vals = qrows.dequantized_at(self.q, r, c)
             elif qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
-                found = self._block_screen(rows, low - room[rows], dense // SCREEN_COST)
+                need = low - self._block_room(rows, room, up_norm, down_norm, qrows.NVFP4_BLOCK)
+                found = self._block_screen(rows, need, dense // SCREEN_COST)
                 if found is not None:
                     r, c, vals = found
             else:
@@ -222,7 +227,8 @@ class _QuantRows:
             if found is not None:
                 vals = vals.cpu()
                 each = [f.element_bound(r, c) for f in factors]  # the merged slots', then s's
-                reach = torch.minimum(room[r], torch.minimum(self.reach[r] + each[-1], sum(each)))
+                reach = torch.minimum(torch.minimum(room[r], self.reach[r] + each[-1]),
+                                      torch.minimum(sum(each), up_norm[r] * down_norm[c]))
                 keep = vals.abs() + reach >= low
                 r, c, vals = r[keep], c[keep], vals[keep]
                 if r.numel() * rank <= dense * GATHER_COST:
@@ -232,16 +238,31 @@ class _QuantRows:
         top, exact = self._dense_top(rows, slots, low, base)
         return top, b, (rows, exact)
 
+    @staticmethod
+    def _block_room(rows, room, up_norm, down_norm, width: int) -> torch.Tensor:
+        """fp32 [len(rows), in / width (rounded up)]: a bound of the updates' sum's |value| in each
+        block of `width` columns of `rows`: the row's bound, or its up norm times the block's largest
+        down norm."""
+        cols = down_norm.numel()
+        padded = torch.zeros(-(-cols // width) * width)
+        padded[:cols] = down_norm
+        block = padded.reshape(-1, width).amax(dim=1)
+        return torch.minimum(room[rows][:, None], up_norm[rows][:, None] * block[None, :])
+
     def _block_screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int):
-        """(rows, cols, values) of the elements of `rows` whose |value| is at least `need` (one per row),
-        reading only the blocks whose scale bound reaches it; None past `limit` elements read."""
+        """(rows, cols, values) of the elements of `rows` whose |value| is at least `need` (one per row and
+        16-element block), reading only the blocks whose scale bound reaches it; None past `limit`
+        elements read."""
         bound = qrows.block_bound(self.q, rows)
-        hit = bound >= need[:, None]
+        need = need.reshape(rows.numel(), -1).expand(bound.shape)
+        hit = bound >= need
         if int(torch.count_nonzero(hit)) * qrows.NVFP4_BLOCK > limit:
             return None
         i, blk = torch.nonzero(hit, as_tuple=True)
+        if i.numel() == 0:
+            return rows[:0], blk, torch.zeros(0)
         vals = qrows.dequantized_blocks(self.q, rows[i], blk).cpu()
-        keep = vals.abs() >= need[i][:, None]
+        keep = vals.abs() >= need[i, blk][:, None]
         k, j = torch.nonzero(keep, as_tuple=True)
         return rows[i[k]], blk[k] * qrows.NVFP4_BLOCK + j, vals[k, j]
 
@@ -260,7 +281,7 @@ class _QuantRows:
             most = upd.abs().amax(dim=1)
             exact[i:i + step] = most.cpu()
             if self._elementwise:  # only the elements whose base value can reach the top so far
-                r, c = qrows.elements_at_least(self.q, top - most, part.numel() * cols, part)
+                r, c = qrows.elements_at_least(self.q, top - most, part.numel() * cols, part, self.blocks)
                 vals = qrows.dequantized_at(self.q, r, c) if r.numel() else None
             elif base is None and qrows.reads_blocks(self.q):  # only the blocks that can reach the top
                 r, c, vals = self._block_screen(part, (top - most).cpu(), part.numel() * cols)

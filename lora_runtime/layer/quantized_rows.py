@@ -12,9 +12,11 @@ Contract
 - `elementwise(w)`: the layout dequantizes as stored value times one scalar scale (per-tensor fp8,
   int8 without rotation): then `dequantized_rows(w, rows)` reads only those rows (bit for bit the
   rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
-  from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit, rows)` finds
-  the elements whose |value| is at least `t` the same way, reading only `rows` when given (None past
-  `limit` of them), and `dequantized_at(w, rows, cols)` reads them.
+  from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit, rows, blocks)`
+  finds the elements whose |value| is at least `t` (per row, or per block of BYTE_BLOCK columns) the
+  same way, reading only `rows` when given (None past `limit` of them), and with `stored_blocks(w)`,
+  each block's largest stored magnitude, only the blocks that can hold one; `dequantized_at(w, rows,
+  cols)` reads them.
 - `row_local(w)`: the row-wise layouts with no scale spanning the tensor (mxfp8, the 4-bit ones):
   rows re-quantized alone are the whole merge's rows.
 - `swizzled(w)`: block scales stored in the cuBLAS block-scaling layout (mxfp8, nvfp4):
@@ -167,45 +169,148 @@ def dequantized_blocks(w, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Ten
     return dequantized(w._copy_with(qdata=q, params=params))[:, :NVFP4_BLOCK]
 
 
+# the byte screen's block: the largest magnitude byte of each run of BYTE_BLOCK columns is kept, so a
+# screen compares 1/BYTE_BLOCK of the bytes and reads only the blocks that can hold a hit
+BYTE_BLOCK = 64
+# ... while at most 1/BLOCK_READ_SHARE of the blocks reach it; past that, reading the rows whole in
+# place costs less than gathering blocks
+BLOCK_READ_SHARE = 4
+# a hit mask is read eight bytes at a time while at most 1/SPARSE_WORDS of its words hold a hit (the
+# measured crossover: a fifth)
+SPARSE_WORDS = 5
+
+
+def _magnitudes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes of stored data `q` (fp8 or int8) that order like its |values| (int8: |-128| is 128)."""
+    if q.dtype in _FP8_DTYPES:
+        return q.view(torch.uint8) & 0x7F
+    return q.abs().view(torch.uint8)
+
+
 @torch.no_grad()
-def stored_row_absmax(w) -> torch.Tensor:
-    """fp32 [out]: each row's largest |value| of an `elementwise` weight, read from its stored bytes."""
-    q = w._qdata
-    if q.dtype not in _FP8_DTYPES:  # int8: |-128| does not fit int8, so the row's top is scaled here
-        top = torch.maximum(q.amax(dim=1).to(torch.int16), -q.amin(dim=1).to(torch.int16))
+def stored_blocks(w) -> torch.Tensor:
+    """uint8 [out, ceil(in / BYTE_BLOCK)]: each block's largest magnitude byte of an `elementwise`
+    weight (the index `elements_at_least` and `stored_row_absmax` read instead of every byte)."""
+    mag = _magnitudes(w._qdata)
+    n, cols = mag.shape
+    full = cols // BYTE_BLOCK
+    out = torch.empty((n, -(-cols // BYTE_BLOCK)), dtype=torch.uint8, device=mag.device)
+    runs = mag[:, : full * BYTE_BLOCK].unflatten(1, (full, BYTE_BLOCK))
+    width = BYTE_BLOCK
+    while width > 1:  # halves folded together: a uint8 max over a short inner run is not vectorized
+        width //= 2
+        runs = torch.maximum(runs[..., :width], runs[..., width:2 * width])
+    out[:, :full] = runs[..., 0]
+    if full < out.shape[1]:
+        out[:, full] = mag[:, full * BYTE_BLOCK:].amax(dim=1)
+    return out
+
+
+@torch.no_grad()
+def stored_row_absmax(w, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [out]: each row's largest |value| of an `elementwise` weight, read from its stored bytes
+    (or from its `stored_blocks`)."""
+    top = (_magnitudes(w._qdata) if blocks is None else blocks).amax(dim=1)
+    if w._qdata.dtype not in _FP8_DTYPES:  # int8: |-128| does not fit int8, so the row's top is scaled here
         return top.to(torch.float32) * w._params.scale.to(torch.float32)
-    top = (q.view(torch.uint8) & 0x7F).amax(dim=1).view(q.dtype)  # magnitude bits order like magnitudes
-    return _dequantized_data(w, top.reshape(-1, 1)).reshape(-1)
+    return _dequantized_data(w, top.view(w._qdata.dtype).reshape(-1, 1)).reshape(-1)
+
+
+def _least_bytes(w, t: torch.Tensor) -> torch.Tensor:
+    """uint8: per threshold in `t`, the smallest magnitude byte whose |value| reaches it (above every
+    byte where none does: fp8 128, int8 129)."""
+    q, scale = w._qdata, float(w._params.scale)
+    if q.dtype in _FP8_DTYPES:
+        table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
+        table = torch.where(torch.isfinite(table), table, torch.inf).to(t.device)
+        return torch.searchsorted(table, t).to(torch.uint8)
+    # |stored| at least t / scale, from just below the exact ceiling: never miss an element
+    return torch.clamp(torch.ceil(t / scale * (1 - 1e-6)), min=1).clamp(max=129).to(torch.uint8)
 
 
 @torch.no_grad()
-def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, cols) of the elements of an `elementwise` weight whose |value| is at least `t` (a float,
-    or one per row of `rows`), among `rows` (default: every row; only those are read); None when
-    they are more than `limit`."""
-    q, scale = w._qdata, float(w._params.scale)
-    t = torch.as_tensor(t, dtype=torch.float32)
+def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None,
+                      blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, cols) in row-major order of the elements of an `elementwise` weight whose |value| is at
+    least `t` (a float, one per row of `rows`, or one per row and block of BYTE_BLOCK columns), among
+    `rows` (default: every row; only those are read); None when they are more than `limit` (where
+    per-block thresholds are read row by row: when the rows' lowest find more). With the weight's
+    `stored_blocks`, only the blocks whose largest byte reaches `t` are read, while they are few."""
+    q = w._qdata
+    t = torch.as_tensor(t, dtype=torch.float32).cpu()
+    t = t.reshape(-1, t.shape[-1] if t.dim() == 2 else 1)
+    if blocks is not None:
+        sub = blocks if rows is None else blocks[rows.to(q.device)]
+        k = _least_bytes(w, t).to(q.device)
+        hit = sub >= k
+        if BLOCK_READ_SHARE * int(torch.count_nonzero(hit)) <= hit.numel():  # few blocks: read only those
+            r, c = _block_hits(q, hit, k.expand(hit.shape), rows)
+            return None if r.numel() > limit else (r, c)
+    per_block = t if t.shape[1] > 1 else None
+    t = t.amin(dim=1, keepdim=True)  # rows read at their lowest threshold, blocks held to theirs after
+    sub = q
     if rows is not None and 2 * rows.numel() >= q.shape[0]:  # most rows: read them in place, the rest at inf
-        every = torch.full((q.shape[0],), torch.inf)
-        every[rows.cpu()] = t.cpu()
-        t, rows = every, None
-    if rows is not None:
-        q = q[rows.to(q.device)]
-    t = t.reshape(-1, 1).to(q.device)
-    if q.dtype in _FP8_DTYPES:  # the smallest magnitude byte whose value reaches t (128: none)
-        table = torch.arange(128, dtype=torch.uint8).view(q.dtype).to(torch.float32) * scale
-        table = torch.where(torch.isfinite(table), table, torch.inf).to(q.device)
-        hit = (q.view(torch.uint8) & 0x7F) >= torch.searchsorted(table, t).to(torch.uint8)
-    else:  # |stored| at least t / scale, from just below the exact ceiling: never miss an element;
-        # compared as bytes (|-128| is 0x80 read as uint8; 129: none), never widened
-        k = torch.clamp(torch.ceil(t / scale * (1 - 1e-6)), min=1).clamp(max=129).to(torch.uint8)
-        hit = q.abs().view(torch.uint8) >= k
-    if int(torch.count_nonzero(hit)) > limit:  # a bool sum widens every element to int64
+        every = torch.full((q.shape[0], 1), torch.inf)
+        every[rows.cpu()] = t
+        t = every
+    elif rows is not None:
+        sub = q[rows.to(q.device)]
+    mag = _magnitudes(sub)
+    # one threshold byte per element: a same-shape uint8 compare is vectorized, a broadcast one is not
+    hit = mag >= _least_bytes(w, t).to(q.device).expand(mag.shape).contiguous()
+    found = _sparse_nonzero(hit, limit)
+    if found is None:
         return None
-    r, cols = torch.nonzero(hit, as_tuple=True)
-    r = r.cpu()
-    return (r if rows is None else rows.cpu()[r]), cols.cpu()
+    r, cols = (x.cpu() for x in found)
+    if sub is not q:
+        r = rows.cpu()[r]
+    if per_block is not None:
+        place = r
+        if rows is not None:  # each weight row's place in `rows`
+            inverse = torch.zeros(q.shape[0], dtype=torch.long)
+            inverse[rows.cpu()] = torch.arange(rows.numel())
+            place = inverse[r]
+        mag = _magnitudes(q[r.to(q.device), cols.to(q.device)]).cpu()
+        keep = mag >= _least_bytes(w, per_block[place, cols // BYTE_BLOCK])
+        r, cols = r[keep], cols[keep]
+    return r, cols
+
+
+def _sparse_nonzero(mask: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, cols) of a 2-D bool `mask`'s True elements in row-major order, None past `limit` of them:
+    its bytes read eight at a time as int64 words, then only the nonzero words byte by byte."""
+    flat = mask.reshape(-1)
+    whole = flat.numel() // 8 * 8
+    words = flat[:whole].view(torch.int64)
+    held = int(torch.count_nonzero(words))
+    if held > limit:  # each nonzero word holds at least one
+        return None
+    if SPARSE_WORDS * held > words.numel():  # most words hold one: element by element
+        if int(torch.count_nonzero(mask)) > limit:
+            return None
+        return torch.nonzero(mask, as_tuple=True)
+    at = torch.nonzero(words).reshape(-1)
+    h, j = torch.nonzero(flat[:whole].view(-1, 8)[at], as_tuple=True)
+    idx = torch.cat([at[h] * 8 + j, torch.nonzero(flat[whole:]).reshape(-1) + whole])
+    if idx.numel() > limit:
+        return None
+    return idx // mask.shape[1], idx % mask.shape[1]
+
+
+def _block_hits(q: torch.Tensor, hit: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None):
+    """(rows, cols) of the elements reaching their block's byte `k` inside the blocks `hit` marks."""
+    i, blk = torch.nonzero(hit, as_tuple=True)
+    r = i if rows is None else rows.to(q.device)[i]
+    n, cols = q.shape
+    if cols % BYTE_BLOCK == 0:  # whole blocks: each read as one 64-byte run
+        mag = _magnitudes(q.view(n, cols // BYTE_BLOCK, BYTE_BLOCK)[r, blk])
+        h, j = torch.nonzero(mag >= k[i, blk][:, None].expand(mag.shape).contiguous(), as_tuple=True)
+        return r[h].cpu(), (blk[h] * BYTE_BLOCK + j).cpu()
+    at = blk[:, None] * BYTE_BLOCK + torch.arange(BYTE_BLOCK, device=q.device)
+    inside = at < cols  # the last block is short
+    mag = _magnitudes(q[r[:, None], at.clamp(max=cols - 1)])
+    h, j = torch.nonzero((mag >= k[i, blk][:, None]) & inside, as_tuple=True)
+    return r[h].cpu(), at[h, j].cpu()
 
 
 @torch.no_grad()

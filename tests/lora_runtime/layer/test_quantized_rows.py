@@ -21,10 +21,10 @@ TENSOR_SCALED = ELEMENTWISE + ["TensorCoreNVFP4Layout"]  # a scale from the whol
 ROWS = torch.tensor([0, 7, 100, 299])
 
 
-def _weight(layout: str):
+def _weight(layout: str, cols: int = 256):
     quant_formats.require_comfy_kitchen()
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(300, 256, generator=g)
+    w = torch.randn(300, cols, generator=g)
     w[150, 9] = 9.0  # the largest value, in a row the sample does not hold
     kw = {"scale": "recalculate"} if layout in ELEMENTWISE else {}
     return quant_formats._quantized_tensor_class().from_float(w, layout, **kw)
@@ -67,6 +67,60 @@ def test_elementwise_layouts_read_rows_and_elements_from_their_bytes(layout):
     r3, c3 = qr.elements_at_least(q, ts, limit=10_000, rows=some)
     want = torch.nonzero(full[some].abs() >= ts[:, None], as_tuple=True)
     assert torch.equal(r3, some[want[0]]) and torch.equal(c3, want[1]) and r3.numel() != r2.numel()
+
+
+@pytest.mark.parametrize("cols", [256, 200])  # whole 64-byte blocks, and a short last block
+@pytest.mark.parametrize("layout", ELEMENTWISE)
+def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeypatch):
+    """The block index (each 64-column block's largest stored magnitude) finds the same elements as
+    reading every byte, for one threshold, one per row and one per row and block, by reading the
+    hit blocks alone or the rows whole. Reference: the dequantized weight's |values| against the
+    thresholds; wrong answer: the rows' lowest threshold applied to every block."""
+    q = _weight(layout, cols)
+    full = dequantized(q)
+    blocks = qr.stored_blocks(q)
+    nblk = -(-cols // qr.BYTE_BLOCK)
+    padded = torch.zeros(full.shape[0], nblk * qr.BYTE_BLOCK)
+    padded[:, :cols] = full.abs()
+    assert torch.equal(qr.stored_row_absmax(q, blocks), full.abs().amax(dim=1))
+    assert torch.equal(qr.stored_row_absmax(q, blocks[:, :1]), full[:, :64].abs().amax(dim=1))  # wrong: one block
+    top = padded.reshape(full.shape[0], nblk, -1).amax(dim=2)  # each block's largest |value|
+    if layout == "TensorWiseINT8Layout":
+        assert torch.equal(blocks.float() * q._params.scale.float(), top)
+    t = float(full.abs().flatten().kthvalue(full.numel() - 200).values)
+    rows = torch.arange(0, full.shape[0], 3)
+    g = torch.Generator().manual_seed(4)
+    per_block = t * (0.5 + torch.rand(rows.numel(), nblk, generator=g))
+    cases = [(t, None), (torch.linspace(0.6 * t, 1.4 * t, rows.numel()), rows), (per_block, rows)]
+    for share in (1, 10 ** 9):  # hit blocks read alone; rows read whole
+        monkeypatch.setattr(qr, "BLOCK_READ_SHARE", share)
+        for thr, sel in cases:
+            got = qr.elements_at_least(q, thr, 10 ** 6, sel, blocks)
+            sub = full.abs() if sel is None else full[sel].abs()
+            tt = torch.as_tensor(thr, dtype=torch.float32)
+            need = tt.repeat_interleave(qr.BYTE_BLOCK, dim=1)[:, :cols] if tt.dim() == 2 else tt.reshape(-1, 1)
+            r, c = torch.nonzero(sub >= need, as_tuple=True)
+            want = (r if sel is None else sel[r], c)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and 0 < r.numel() < sub.numel() // 10
+            assert qr.elements_at_least(q, thr, r.numel() - 1, sel, blocks) is None
+        lowest = qr.elements_at_least(q, per_block.amin(dim=1), 10 ** 6, rows, blocks)
+        assert lowest[0].numel() > got[0].numel()  # the wrong answer finds more
+
+
+@pytest.mark.parametrize("share", [0.0005, 0.01, 0.2, 0.6])
+def test_sparse_nonzero_is_nonzero(share):
+    """A mask's True elements read word by word (or element by element where most words hold one)
+    are torch.nonzero's, in its order; None past the limit. Wrong answer: the transposed mask's."""
+    g = torch.Generator().manual_seed(5)
+    for shape in ((97, 131), (64, 256)):  # a size that is not a whole number of 8-byte words
+        mask = torch.rand(shape, generator=g) < share
+        mask[-1, -1] = True  # one in the tail
+        want = torch.nonzero(mask, as_tuple=True)
+        got = qr._sparse_nonzero(mask, mask.numel())
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert qr._sparse_nonzero(mask, want[0].numel() - 1) is None
+        flipped = torch.nonzero(mask.t().contiguous(), as_tuple=True)
+        assert not (torch.equal(got[0], flipped[1]) and torch.equal(got[1], flipped[0]))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[4:])
