@@ -303,14 +303,13 @@ def _block_hits(q: torch.Tensor, hit: torch.Tensor, k: torch.Tensor, rows: torch
     r = i if rows is None else rows.to(q.device)[i]
     n, cols = q.shape
     if cols % BYTE_BLOCK == 0:  # whole blocks: each read as one 64-byte run
-        mag = _magnitudes(q.view(n, cols // BYTE_BLOCK, BYTE_BLOCK)[r, blk])
-        h, j = torch.nonzero(mag >= k[i, blk][:, None].expand(mag.shape).contiguous(), as_tuple=True)
-        return r[h].cpu(), (blk[h] * BYTE_BLOCK + j).cpu()
-    at = blk[:, None] * BYTE_BLOCK + torch.arange(BYTE_BLOCK, device=q.device)
-    inside = at < cols  # the last block is short
-    mag = _magnitudes(q[r[:, None], at.clamp(max=cols - 1)])
-    h, j = torch.nonzero((mag >= k[i, blk][:, None]) & inside, as_tuple=True)
-    return r[h].cpu(), at[h, j].cpu()
+        mag, inside = _magnitudes(q.view(n, cols // BYTE_BLOCK, BYTE_BLOCK)[r, blk]), None
+    else:  # the last block is short: its columns past the end are read clamped and masked out
+        at = blk[:, None] * BYTE_BLOCK + torch.arange(BYTE_BLOCK, device=q.device)
+        mag, inside = _magnitudes(q[r[:, None], at.clamp(max=cols - 1)]), at < cols
+    reach = mag >= k[i, blk][:, None].expand(mag.shape).contiguous()
+    h, j = torch.nonzero(reach if inside is None else reach & inside, as_tuple=True)
+    return r[h].cpu(), (blk[h] * BYTE_BLOCK + j).cpu()
 
 
 @torch.no_grad()
