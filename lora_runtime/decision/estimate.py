@@ -12,15 +12,19 @@ Contract
   the rows where that is at least MIN_SAMPLE_ELEMENTS), rounded to its dtype.
 - A quantized weight whose rows re-quantize alone (`quantized_rows.row_local`: mxfp8, the 4-bit
   row-wise layouts): the same even sample (read alone where the layout allows), re-quantized
-  alone: bit for bit the whole merge's rows (round to nearest). No search.
+  alone: the whole merge's rows (round to nearest; bit for bit, but for the last fp32 bits of the
+  4-bit layouts' row rotation). No search.
 - A quantized weight of another row-wise layout (`quantized_rows.row_wise`: a scale spans the tensor):
   the same even sample and the rows with the largest stored values, re-quantized at the scale of the
   largest |value| of W + the updates merged so far + this one, summed whole in fp32: the scale a
   merge of those adapters recalculates (a merge rounds the sum once). For the first adapter that is
   the whole merge's own scale. The value is found exactly without forming the whole sum: the held
   rows, then only the rows, column blocks and elements that bounds of the updates (from their factors;
-  exact row maxima where rows were computed whole) let reach it (`_QuantRows._top`). With stochastic rounding
-  the sample is one draw of the merge's rounding, not the whole merge's own draw.
+  exact row maxima where rows were computed whole) let reach it (`_QuantRows._search`). After the
+  first merge one search finds that value for every adapter still to be measured, in the order
+  given (`order`), each assumed merged after the last; it serves while the merges follow that order,
+  and an adapter measured off it is searched on its own. With stochastic rounding the sample is one
+  draw of the merge's rounding, not the whole merge's own draw.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
@@ -53,6 +57,9 @@ TOP_ROWS = 4
 SCREEN_COST = 4
 GATHER_COST = 1
 DENSE_CHUNK = 1 << 20
+# before the byte screen reads every candidate row, it reads every PROBE_STEP-th: when those alone find
+# more than their share of the screen's limit, the search goes to whole rows at once
+PROBE_STEP = 16
 
 
 def sample_rows(rows: int, device, max_rows: int, cols: int | None = None):
@@ -131,15 +138,16 @@ class _LocalRows(_Rows):
 class _QuantRows:
     """A tensor-scaled quantized weight's sample (see module doc)."""
 
-    def __init__(self, w, max_rows: int):
+    def __init__(self, w, max_rows: int, chain: list):
         self.w, self.q, self.seed = w, w.get_base_layer().weight, w.requant_seed
+        self.chain = chain  # the slots in the order they are measured, each assumed merged before the next
         n, cols = self.q.shape
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
         self._elementwise = qrows.elementwise(self.q)
-        self.blocks = None
+        self.blocks = self.table = None
         if self._elementwise:  # rows and elements screened from the stored bytes' block maxima
-            self.blocks = qrows.stored_blocks(self.q)
+            self.blocks, self.table = qrows.stored_blocks(self.q), qrows.value_table(self.q)
             self._full, self.row_max = None, qrows.stored_row_absmax(self.q, self.blocks).cpu()
         elif qrows.swizzled(self.q):  # rows read alone; row maxima bounded from the scales
             self._full, self.row_max = None, qrows.row_bound(self.q)
@@ -158,6 +166,13 @@ class _QuantRows:
         self.merged: list = []           # the slots merged so far, in order
         self.reach = torch.zeros(n)      # per row: a bound of the merged updates' sum's largest |value|
         self._known: dict = {}           # slot name -> its `Factors`
+        self._held_d: dict = {}          # slot name -> its update on the held rows
+        self._tops = None                # the chain's tops for `_rest` (`_chained`), from merge `_start` on
+        self._start, self._rest = 0, []  # (False: none)
+        # the search screens blocks of this many columns: stored bytes per 64 columns, nvfp4's scale
+        # blocks, or whole rows of the base values
+        self._width = qrows.BYTE_BLOCK if self._elementwise else \
+            qrows.NVFP4_BLOCK if qrows.reads_blocks(self.q) else cols
 
     def _factors(self, s) -> "Factors | None":
         if s.name not in self._known:
@@ -179,64 +194,57 @@ class _QuantRows:
             return torch.full((self.row_max.numel(),), math.inf)
         return torch.minimum(f.terms_bound, f.row_norm * float(f.col_norm.amax())).cpu()
 
-    def _top(self, s, low: float):
-        """(the largest |value| of W + the merged updates + slot `s`'s update over the whole tensor, given
-        `low`, the held rows' largest; `s`'s row bound; (rows, the exact largest |value| of the updates'
-        sum in each) where the search computed whole rows, else None). Screens, each cheaper than the
-        next, keep what can reach `low`: rows, by their base's largest value plus a bound of the
-        updates (their row bounds summed, or the stacked factors' norms ||[up_1 .. up_k][i]|| max_j
-        ||[down_1; ..; down_k][:, j]||); blocks of those rows, by their base's largest value (stored
-        bytes for per-tensor fp8 / int8, scales for nvfp4) plus the norms' bound over the block's
-        columns; elements, by their base value plus the norms' product at that element (Cauchy-Schwarz).
-        The rest are computed one by one (a rank-long product each), or, when that would cost more,
-        those rows whole (row chunks)."""
-        b = self._row_bound(s)
-        room = self.reach + b
-        slots = self.merged + [s]
+    def _search(self, rest: list, lows: list[float]):
+        """(for each j, the largest |value| over the whole tensor of W + the merged updates + those of
+        rest[:j + 1], given `lows[j]`, the held rows' largest; (rows, the exact largest |value| of the
+        sum of every update in each) where the search computed whole rows, else None). One search
+        serves every j: a row, block or element is kept when any j's bound lets it reach that j's
+        floor. Screens, each cheaper than the next: rows, by their base's largest value plus a bound
+        of the updates (their row bounds summed, or the stacked factors' norms ||[up_1 .. up_k][i]||
+        max_j ||[down_1; ..; down_k][:, j]||); blocks of those rows, by their base's largest value
+        (stored bytes for per-tensor fp8 / int8, scales for nvfp4) plus the norms' bound over the
+        block's columns; elements, by their base value plus the norms' product at that element
+        (Cauchy-Schwarz). The rest are computed one by one (a rank-long product each), or, when that
+        would cost more, those rows whole (row chunks, each update added in turn)."""
+        slots = self.merged + rest
         factors = [self._factors(p) for p in slots]
-        if None not in factors:  # the sum's own norms bound it closer than the terms'
-            up_norm = torch.sqrt(sum(f.row_norm ** 2 for f in factors))
-            down_norm = torch.sqrt(sum(f.col_norm ** 2 for f in factors))
-            room = torch.minimum(room, up_norm * float(down_norm.amax()))
-        rows = torch.nonzero(~self.held & (self.row_max + room >= low)).reshape(-1)
+        low = torch.tensor(lows)[:, None]
+        reach = self.reach + torch.stack([self._row_bound(p) for p in rest]).cumsum(dim=0)  # [j, out]
+        room = reach
+        low_rank = None not in factors
+        if low_rank:  # the sum's own norms bound it closer than the terms'
+            up_norm = torch.stack([f.row_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
+            down_norm = torch.stack([f.col_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
+            room = torch.minimum(room, up_norm * down_norm.amax(dim=1, keepdim=True))
+        rows = torch.nonzero(~self.held & (self.row_max + room >= low).any(dim=0)).reshape(-1)
         if rows.numel() == 0:
-            return low, b, None
+            return list(lows), None
         dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
         base = None
-        if None not in factors:
-            rank = sum(f.rank for f in factors)
-            if self._elementwise:
-                need = low - self._block_room(rows, room, up_norm, down_norm, qrows.BYTE_BLOCK)
-                found = qrows.elements_at_least(self.q, need, dense // SCREEN_COST, rows, self.blocks)
-                if found is not None:
-                    r, c = found
-                    vals = qrows.dequantized_at(self.q, r, c)
-            elif qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
-                need = low - self._block_room(rows, room, up_norm, down_norm, qrows.NVFP4_BLOCK)
-                found = self._block_screen(rows, need, dense // SCREEN_COST)
-                if found is not None:
-                    r, c, vals = found
-            else:
-                base = self._base(rows)
-                hit = base.abs() >= (low - room[rows]).to(base.device)[:, None]
-                found = None
-                if int(torch.count_nonzero(hit)) <= dense // SCREEN_COST:
-                    i, c = torch.nonzero(hit, as_tuple=True)
-                    r, c, vals = rows[i.cpu()], c.cpu(), base[hit]
-                    found = r, c
+        if low_rank:
+            need = torch.stack([lows[j] - self._block_room(rows, room[j], up_norm[j], down_norm[j], self._width)
+                                for j in range(len(rest))]).amin(dim=0)
+            found, base = self._screen(rows, need, dense // SCREEN_COST)
             if found is not None:
-                vals = vals.cpu()
-                each = [f.element_bound(r, c) for f in factors]  # the merged slots', then s's
-                reach = torch.minimum(torch.minimum(room[r], self.reach[r] + each[-1]),
-                                      torch.minimum(sum(each), up_norm[r] * down_norm[c]))
-                keep = vals.abs() + reach >= low
+                r, c, vals = found
+                each = torch.stack([f.element_bound(r, c) for f in factors])  # the merged slots', then rest's
+                own = each[len(self.merged):].cumsum(dim=0)
+                bound = torch.minimum(torch.minimum(room[:, r], self.reach[r] + own),
+                                      torch.minimum(each[:len(self.merged)].sum(dim=0) + own,
+                                                    up_norm[:, r] * down_norm[:, c]))
+                keep = (vals.abs() + bound >= low).any(dim=0)
                 r, c, vals = r[keep], c[keep], vals[keep]
-                if r.numel() * rank <= dense * GATHER_COST:
-                    for f in factors:
+                if r.numel() * sum(f.rank for f in factors) <= dense * GATHER_COST:
+                    tops = []
+                    for i, f in enumerate(factors):
                         vals = vals + f.at(r, c)
-                    return max(low, float(vals.abs().amax())) if vals.numel() else low, b, None
-        top, exact = self._dense_top(rows, slots, low, base)
-        return top, b, (rows, exact)
+                        j = i - len(self.merged)
+                        if j >= 0:
+                            tops.append(max(lows[j], float(vals.abs().amax())) if vals.numel() else lows[j])
+                    return tops, None
+        groups = [self.merged + rest[:1]] + [[p] for p in rest[1:]]
+        tops, exact = self._dense_tops(rows, groups, lows, base)
+        return tops, (rows, exact)
 
     @staticmethod
     def _block_room(rows, room, up_norm, down_norm, width: int) -> torch.Tensor:
@@ -248,6 +256,28 @@ class _QuantRows:
         padded[:cols] = down_norm
         block = padded.reshape(-1, width).amax(dim=1)
         return torch.minimum(room[rows][:, None], up_norm[rows][:, None] * block[None, :])
+
+    def _screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int):
+        """((rows, cols, fp32 values) of the elements of `rows` whose |value| is at least `need` (one per
+        row and block of `_width` columns), or None past `limit` of them; the rows' values where they
+        were read whole, else None)."""
+        if self._elementwise:  # the stored bytes, only the blocks whose largest byte reaches `need`
+            if rows.numel() >= 4 * PROBE_STEP and qrows.elements_at_least(
+                    self.q, need[::PROBE_STEP].contiguous(), limit // PROBE_STEP, rows[::PROBE_STEP], self.blocks) is None:
+                return None, None  # every PROBE_STEP-th row alone finds more than its share of `limit`
+            found = qrows.elements_at_least(self.q, need, limit, rows, self.blocks)
+            if found is None:
+                return None, None
+            r, c = found
+            return (r, c, qrows.dequantized_at(self.q, r, c, self.table).cpu()), None
+        if qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
+            return self._block_screen(rows, need, limit), None
+        base = self._base(rows)
+        hit = base.abs() >= need.to(base.device)
+        if int(torch.count_nonzero(hit)) > limit:
+            return None, base
+        i, c = torch.nonzero(hit, as_tuple=True)
+        return (rows[i.cpu()], c.cpu(), base[hit].cpu()), base
 
     def _block_screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int):
         """(rows, cols, values) of the elements of `rows` whose |value| is at least `need` (one per row and
@@ -266,38 +296,137 @@ class _QuantRows:
         k, j = torch.nonzero(keep, as_tuple=True)
         return rows[i[k]], blk[k] * qrows.NVFP4_BLOCK + j, vals[k, j]
 
-    def _dense_top(self, rows: torch.Tensor, slots: list, low: float, base):
-        """(the largest |value| of W + the slots' updates over `rows`, at least `low`; each row's exact
-        largest |value| of the updates' sum), in chunks of rows. `base`: the rows' values, if read."""
+    def _dense_tops(self, rows: torch.Tensor, groups: list[list], lows: list[float], base):
+        """(for each k, the largest |value| of W + the first k groups' updates over `rows`, at least
+        `lows[k]`; each row's exact largest |value| of all the groups' sum), in chunks of rows. `base`:
+        the rows' values, if read. Low-rank groups: each chunk's sum is formed in place, one product
+        per group added to it (`addmm_`), its row maxima taken after each; one screen of the base then
+        serves every group (its threshold per row: the lowest of top - that sum's row maximum), and the
+        earlier groups' sums at the few elements it finds are their factors' products there (or, when
+        those would cost more, the chunk's products formed again). Else each group's update is added
+        in turn (`weight_merge.delta_rows`) and screened apart."""
+        factors = [[self._factors(p) for p in g] for g in groups]
+        if any(f is None for fs in factors for f in fs):
+            return self._dense_tops_deltas(rows, groups, lows, base)
         cols, dev = self.q.shape[1], self.q.device
         step = max(1, DENSE_CHUNK // cols)
-        top, exact = low, torch.empty(rows.numel())
-        # an update that reads the weight (DoRA) reads it dequantized once, not once per chunk
-        src = self.w.weight2d.detach() if any(p.update.needs_weight and p.frozen_delta is None for p in slots) \
-            else self.q
+        ups = [torch.cat([f.up for f in fs], dim=1).to(dev) for fs in factors]
+        downs = [torch.cat([f.down_t for f in fs], dim=1).t().contiguous().to(dev) for fs in factors]
+        rank = sum(u.shape[1] for u in ups[:-1])  # the earlier groups' products at one element
+        buf = torch.empty((min(step, rows.numel()), cols), device=dev)
+        tops, exact = list(lows), torch.empty(rows.numel())
+
+        def sums(at, n):  # (k, the chunk's sum with group k's product added), in turn
+            for k in range(len(groups)):
+                if k == 0:
+                    torch.mm(ups[0][at], downs[0], out=buf[:n])
+                else:
+                    buf[:n].addmm_(ups[k][at], downs[k])
+                yield k, buf[:n]
+
         for i in range(0, rows.numel(), step):
             part = rows[i:i + step]
-            upd = weight_merge.delta_rows(src, part.to(dev), slots, False)
-            most = upd.abs().amax(dim=1)
-            exact[i:i + step] = most.cpu()
-            if self._elementwise:  # only the elements whose base value can reach the top so far
-                r, c = qrows.elements_at_least(self.q, top - most, part.numel() * cols, part, self.blocks)
-                vals = qrows.dequantized_at(self.q, r, c) if r.numel() else None
-            elif base is None and qrows.reads_blocks(self.q):  # only the blocks that can reach the top
-                r, c, vals = self._block_screen(part, (top - most).cpu(), part.numel() * cols)
-            else:
-                vals = (base[i:i + step] if base is not None else self._base(part)) + upd
-                top = max(top, float(vals.abs().amax()))
-                continue
+            n, at = part.numel(), part.to(dev)
+            most = torch.empty((len(groups), n), device=dev)
+            for k, b in sums(at, n):
+                torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[k])
+            need = (torch.tensor(tops, device=dev)[:, None] - most).amin(dim=0)
+            r, c, vals = self._screen_part(part, need, None if base is None else base[i:i + n])
             if r.numel():
-                vals = vals.to(dev) + upd[torch.searchsorted(part, r).to(dev), c.to(dev)]
-                top = max(top, float(vals.abs().amax()))
-        return top, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
+                local, vals = torch.searchsorted(part, r).to(dev), vals.to(dev)
+                cd = c.to(dev)
+                if r.numel() * rank <= n * cols * GATHER_COST:  # the earlier groups' sums from their factors
+                    acc = vals
+                    for k, fs in enumerate(factors[:-1]):
+                        for f in fs:
+                            acc = acc + f.at(r, c).to(dev)
+                        tops[k] = max(tops[k], float(acc.abs().amax()))
+                    tops[-1] = max(tops[-1], float((vals + buf[local, cd]).abs().amax()))
+                else:
+                    for k, b in sums(at, n):
+                        tops[k] = max(tops[k], float((vals + b[local, cd]).abs().amax()))
+            exact[i:i + n] = most[-1].cpu()
+        return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
+
+    def _screen_part(self, part: torch.Tensor, need: torch.Tensor, read):
+        """(rows, cols, values) of every element of `part` whose base |value| reaches `need` (one per
+        row), read from the stored bytes, the scale blocks, or `read` (the rows' values, if read)."""
+        cols = self.q.shape[1]
+        if self._elementwise:
+            r, c = qrows.elements_at_least(self.q, need.cpu(), part.numel() * cols, part, self.blocks)
+            return r, c, qrows.dequantized_at(self.q, r, c, self.table) if r.numel() else torch.zeros(0)
+        if read is None and qrows.reads_blocks(self.q):
+            return self._block_screen(part, need.cpu(), part.numel() * cols)
+        read = self._base(part) if read is None else read
+        hit = read.abs() >= need[:, None].to(read.device)
+        i, c = torch.nonzero(hit, as_tuple=True)
+        return part[i.cpu()], c.cpu(), read[hit]
+
+    def _dense_tops_deltas(self, rows: torch.Tensor, groups: list[list], lows: list[float], base):
+        """`_dense_tops` for updates without low-rank factors: (for each k, the largest |value| of W + the first k groups' updates over `rows`, at least
+        `lows[k]`; each row's exact largest |value| of all the groups' sum), in chunks of rows, each
+        group's update added to the sum in turn. `base`: the rows' values, if read."""
+        cols, dev = self.q.shape[1], self.q.device
+        step = max(1, DENSE_CHUNK // cols)
+        tops, exact = list(lows), torch.empty(rows.numel())
+        # an update that reads the weight (DoRA) reads it dequantized once, not once per chunk
+        src = self.w.weight2d.detach() if any(p.update.needs_weight and p.frozen_delta is None
+                                              for g in groups for p in g) else self.q
+        for i in range(0, rows.numel(), step):
+            part = rows[i:i + step]
+            upd, read = None, None if base is None else base[i:i + step]
+            for k, group in enumerate(groups):
+                d = weight_merge.delta_rows(src, part.to(dev), group, False)
+                upd = d if upd is None else upd.add_(d)
+                most = upd.abs().amax(dim=1)
+                if self._elementwise:  # only the elements whose base value can reach the top so far
+                    r, c = qrows.elements_at_least(self.q, tops[k] - most, part.numel() * cols, part, self.blocks)
+                    vals = qrows.dequantized_at(self.q, r, c, self.table) if r.numel() else None
+                elif read is None and qrows.reads_blocks(self.q):  # only the blocks that can reach the top
+                    r, c, vals = self._block_screen(part, (tops[k] - most).cpu(), part.numel() * cols)
+                else:
+                    read = self._base(part) if read is None else read
+                    tops[k] = max(tops[k], float((read + upd).abs().amax()))
+                    continue
+                if r.numel():
+                    vals = vals.to(dev) + upd[torch.searchsorted(part, r).to(dev), c.to(dev)]
+                    tops[k] = max(tops[k], float(vals.abs().amax()))
+            exact[i:i + step] = most.cpu()
+        return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
+
+    def _held_delta(self, s) -> torch.Tensor:
+        if s.name not in self._held_d:
+            self._held_d[s.name] = self.w.delta_rows(self.sel.to(self.q.device), [s])
+        return self._held_d[s.name]
+
+    def _chained(self, s) -> float | None:
+        """The top for slot `s` from one search for the rest of the chain, each slot assumed merged
+        after the last: made at the first measurement that follows a merge (the first adapter's own
+        search is cheap, and one that stays unmerged is no evidence the rest merge), used while the
+        merges since follow that rest; None otherwise (the slot's own search serves)."""
+        k = len(self.merged)
+        if self._tops is None and k:
+            at = next((i for i, p in enumerate(self.chain) if p is s), len(self.chain))
+            rest = [p for p in self.chain[at:] if all(p is not m for m in self.merged)]
+            self._start, self._rest, self._tops = k, rest, False
+            if rest and None not in (self._factors(p) for p in rest):
+                summed, lows = self.summed, []
+                for p in rest:
+                    summed = summed + self._held_delta(p)
+                    lows.append(float(summed.abs().amax()))
+                self._tops = self._search(rest, lows)[0]
+        j = k - self._start
+        follows = bool(self._tops) and j < len(self._rest) and self._rest[j] is s and \
+            all(a is p for a, p in zip(self.merged[self._start:], self._rest))
+        return self._tops[j] if follows else None
 
     def measure(self, s, name: str):
-        d = self.w.delta_rows(self.sel.to(self.q.device), [s])
+        d = self._held_delta(s)
         summed = self.summed + d
-        top, b, exact = self._top(s, float(summed.abs().amax()))
+        top, b, exact = self._chained(s), self._row_bound(s), None
+        if top is None:
+            tops, exact = self._search([s], [float(summed.abs().amax())])
+            top = tops[0]
         exact_rows = self.cur + d
         amax = torch.tensor(top)
         rounded = qrows.grid_round_rows(self.q, exact_rows, amax, self.seed)
@@ -325,8 +454,9 @@ class _QuantRows:
 class SequentialEstimate:
     """Row samples of every weight, advanced by each adapter that merges, in merge order."""
 
-    def __init__(self, wrappers: list, max_rows: int = MAX_SAMPLE_ROWS):
-        self.rows = {w.layer_name: _sample(w, max_rows) for w in wrappers}
+    def __init__(self, wrappers: list, max_rows: int = MAX_SAMPLE_ROWS, order: list[str] | None = None):
+        """`order`: the adapters in the order they will be measured (default: each layer's own)."""
+        self.rows = {w.layer_name: _sample(w, max_rows, order) for w in wrappers}
 
     @torch.no_grad()
     def share(self, name: str) -> tuple[float, dict]:
@@ -347,10 +477,12 @@ class SequentialEstimate:
             self.rows[layer].advance(state)
 
 
-def _sample(w, max_rows: int):
+def _sample(w, max_rows: int, order: list[str] | None):
     q = w.get_base_layer().weight
     if w.quantized and qrows.row_local(q):
         return _LocalRows(w, max_rows)
     if w.quantized and qrows.row_wise(q):
-        return _QuantRows(w, max_rows)
+        measured = {s.name: s for s in w.weight_slots()}
+        chain = [measured[n] for n in (order if order is not None else measured) if n in measured]
+        return _QuantRows(w, max_rows, chain)
     return _Rows(w, max_rows)

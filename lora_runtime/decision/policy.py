@@ -317,7 +317,7 @@ def decide(mode: MergeMode, wrappers: list[AdaptedLayer], cache: DecisionCache |
     def sampled() -> SequentialEstimate:
         nonlocal estimate
         if estimate is None:  # built on the first measurement; replay the merges decided from the cache
-            estimate = SequentialEstimate(rest)
+            estimate = SequentialEstimate(rest, order=[a for a in names if a not in varying])
             for done in merged_names:
                 estimate.advance(estimate.share(done)[1])
         return estimate

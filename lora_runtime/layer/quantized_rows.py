@@ -313,9 +313,20 @@ def _block_hits(q: torch.Tensor, hit: torch.Tensor, k: torch.Tensor, rows: torch
 
 
 @torch.no_grad()
-def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 [m]: the values of an `elementwise` weight at (rows, cols)."""
+def value_table(w) -> torch.Tensor:
+    """fp32 [256]: an `elementwise` weight's value for each stored byte, by its own dequantization
+    (one scale for the tensor: an element's value is its byte's)."""
+    every = torch.arange(256, dtype=torch.int32, device=w._qdata.device).to(torch.uint8)
+    return _dequantized_data(w, every.view(w._qdata.dtype).reshape(1, -1)).reshape(-1)
+
+
+@torch.no_grad()
+def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [m]: the values of an `elementwise` weight at (rows, cols); with its `value_table`, looked
+    up there (the same values, without a dequantization call per read)."""
     q = w._qdata[rows.to(w._qdata.device), cols.to(w._qdata.device)]
+    if table is not None:
+        return table[q.view(torch.uint8).long()]
     return _dequantized_data(w, q.reshape(1, -1)).reshape(-1)
 
 

@@ -75,7 +75,9 @@ def test_the_sample_takes_the_whole_merges_scale(layout):
     assert sample_only < 0.9 * whole[0]  # the wrong answer: the sample's own top
 
 
-SEARCHES = {"rows whole": (1 << 30, 1), "single elements": (1, 1 << 30)}  # (SCREEN_COST, GATHER_COST)
+# (SCREEN_COST, GATHER_COST): candidate rows computed whole (the earlier sums at the elements found read
+# from the factors, or the rows' sums formed again), or single elements computed one by one
+SEARCHES = {"rows whole": (1 << 30, 1 << 30), "rows whole twice": (1 << 30, 0), "single elements": (1, 1 << 30)}
 
 
 @pytest.mark.parametrize("search", SEARCHES)
@@ -90,16 +92,12 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
     monkeypatch.setattr(estimate, "SCREEN_COST", screen)
     monkeypatch.setattr(estimate, "GATHER_COST", gather)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
-    with torch.no_grad():  # a0 and a1 each add 0.25 at (77, 5): a row with only ordinary stored values
-        for name in ("a0", "a1"):
-            u = w.slots[name].update
-            u.up[77] = 0.0
-            u.up[77, 0] = 1.0
-            u.down[0] = 0.0
-            u.down[0, 5] = 0.25
+    for name in ("a0", "a1"):  # each adds 0.25 at (77, 5)
+        _moves_row_77(w, name, 0.25)
     est = estimate.SequentialEstimate([w])
     rows = est.rows["l"]
     assert 77 not in rows.sel.tolist()
+    searches = _count_searches(monkeypatch)
     tops = []
     for name in ("a0", "a1", "a2"):
         _, after = est.share(name)
@@ -107,9 +105,114 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
         est.advance(after)
     whole = _whole(w, ["a0", "a1", "a2"])
     assert tops == pytest.approx(whole, rel=1e-6)
+    assert searches == [1, 2]  # a0's own, then one for a1 and a2, made when a1 follows a0's merge
     total = w.weight2d + w.delta_rows(slice(None), [w.slots[n] for n in ("a0", "a1", "a2")])
     assert int(total.abs().argmax()) // COLS == 77  # the top sits in the row nobody holds
     assert float(rows.summed.abs().amax()) < 0.95 * whole[2]  # the wrong answer: the held rows' top
+
+
+def _count_searches(monkeypatch) -> list[int]:
+    """The number of slots each `_QuantRows._search` call serves, in call order."""
+    calls, real = [], estimate._QuantRows._search
+
+    def spy(self, rest, lows):
+        calls.append(len(rest))
+        return real(self, rest, lows)
+
+    monkeypatch.setattr(estimate._QuantRows, "_search", spy)
+    return calls
+
+
+def _moves_row_77(w: AdaptedLayer, name: str, by: float) -> None:
+    """Adapter `name` adds `by` at (77, 5), a row with only ordinary stored values."""
+    with torch.no_grad():
+        u = w.slots[name].update
+        u.up[77] = 0.0
+        u.up[77, 0] = 1.0
+        u.down[0] = 0.0
+        u.down[0, 5] = by
+
+
+MOVES = {"a1 moves it, a2 takes it back": (0.6, -0.6), "only a2 moves it": (None, 0.6)}
+
+
+@pytest.mark.parametrize("moves", MOVES)
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
+def test_each_top_of_one_search_is_found(layout, search, moves, monkeypatch):
+    """a0 merges; one search serves a1 and a2, which move (77, 5) to the tensor's top and back, or only
+    the second moves it there. Each top sits where only its own sum's bounds and row maxima reach: a
+    screen held to one of the two thresholds misses the other's. Reference: the whole sums."""
+    screen, gather = SEARCHES[search]
+    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
+    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    w = _layer(layout, sizes=(0.02, 0.01, 0.01))
+    for name, by in zip(("a1", "a2"), MOVES[moves]):
+        if by is not None:
+            _moves_row_77(w, name, by)
+    est = estimate.SequentialEstimate([w])
+    searches = _count_searches(monkeypatch)
+    tops = []
+    for name in ("a0", "a1", "a2"):
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    whole = _whole(w, ["a0", "a1", "a2"])
+    assert tops == pytest.approx(whole, rel=1e-6) and searches == [1, 2]
+    at = [abs(float(w.weight2d[77, 5] + sum(w.delta_rows(torch.tensor([77]), [w.slots[n]])[0, 5]
+                                             for n in ("a0", "a1", "a2")[:k + 1]))) for k in (1, 2)]
+    moved = [k for k, v in zip((1, 2), at) if v == pytest.approx(whole[k], rel=1e-6)]
+    assert moved == ([1] if MOVES[moves][0] else [2])  # the top at (77, 5) in one of the two sums only
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
+def test_merges_off_the_chain_are_searched_afresh(layout, search, monkeypatch):
+    """a0 merges; a1 is measured (one search for a1, a2, a3, each assumed merged after the last) but
+    stays unmerged; a3 is measured next and merges, then a2: each top is then that of W + what did
+    merge + it, searched on its own. Wrong answer: the chain's tops, which count a1's move of row 77."""
+    screen, gather = SEARCHES[search]
+    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
+    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    w = _layer(layout, sizes=(0.02, 0.01, 0.01, 0.01))
+    _moves_row_77(w, "a1", 0.6)
+    est = estimate.SequentialEstimate([w])
+    searches = _count_searches(monkeypatch)
+    _, after = est.share("a0")
+    est.advance(after)
+    est.share("a1")  # not merged
+    chain = est.rows["l"]._tops
+    tops = []
+    for name in ("a3", "a2"):
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    want = _whole(w, ["a0", "a3", "a2"])[1:]
+    assert tops == pytest.approx(want, rel=1e-6)
+    assert searches == [1, 3, 1, 1]
+    assert chain[1] == pytest.approx(_whole(w, ["a0", "a1", "a2"])[2], rel=1e-6) and chain[1] > 1.2 * want[1]
+
+
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
+def test_the_chain_follows_the_given_order(layout, monkeypatch):
+    """Measured in the order a2, a1, a0 (not the slots' own), each merging: the chain made after a2's
+    merge serves a1 and a0 with W + a2 + a1's and W + a2 + a1 + a0's tops. Wrong answer: the
+    layer's own order, which would leave the chain unused (three searches)."""
+    w = _layer(layout, sizes=(0.02, 0.01, 0.01))
+    _moves_row_77(w, "a1", 0.3)
+    _moves_row_77(w, "a0", 0.3)
+    order = ["a2", "a1", "a0"]
+    est = estimate.SequentialEstimate([w], order=order)
+    searches = _count_searches(monkeypatch)
+    tops = []
+    for name in order:
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    assert tops == pytest.approx(_whole(w, order), rel=1e-6)
+    assert searches == [1, 2]
+    total = w.weight2d + w.delta_rows(slice(None), [w.slots[n] for n in order])
+    assert int(total.abs().argmax()) // COLS == 77
 
 
 @pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout"])

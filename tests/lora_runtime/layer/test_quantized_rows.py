@@ -12,7 +12,7 @@ pytest.importorskip("comfy_kitchen")
 
 from comfyui_lora_runtime.standalone.host import quant_formats  # noqa: E402
 from comfyui_lora_runtime.lora_runtime.layer import quantized_rows as qr  # noqa: E402
-from comfyui_lora_runtime.lora_runtime.layer.base_weight import dequantized  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer.base_weight import dequantized, quant_layout  # noqa: E402
 
 ELEMENTWISE = ["TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout"]
 LAYOUTS = ELEMENTWISE + ["TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout", "TensorCoreConvRotW4A4Layout",
@@ -30,18 +30,42 @@ def _weight(layout: str, cols: int = 256):
     return quant_formats._quantized_tensor_class().from_float(w, layout, **kw)
 
 
+# layouts that rotate each row block (a Hadamard matmul) before rounding and after dequantizing: their
+# rows re-quantized alone store the whole merge's codes bit for bit, while the per-row scales (from the
+# rotated values) and the dequantized values may differ in the last bits where the CPU's matmul blocks by
+# row count (oneDNN / AMX builds do): to 8 fp32 ulps of the scales and of the rows' largest value
+ROTATED = ["TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"]
+ULPS = 8 * torch.finfo(torch.float32).eps
+
+
+def _same_rows(q, exact: torch.Tensor, got: torch.Tensor) -> bool:
+    """Are `got` (the ROWS of `exact` re-quantized alone and dequantized) the whole merge's ROWS? Bit for
+    bit; for a ROTATED layout, its stored codes bit for bit, its scales and values to the rotation's fp32
+    rounding."""
+    whole_q = q.requantize_from_float(exact, scale="recalculate")
+    whole = dequantized(whole_q)[ROWS]
+    if quant_layout(q) not in ROTATED:
+        return torch.equal(got, whole)
+    alone_q = q.requantize_from_float(exact[ROWS], scale="recalculate")
+    n = exact.shape[0]
+    params = [(a.float(), (w[ROWS] if w.dim() and w.shape[0] == n else w).float())
+              for a, w in zip(vars(alone_q._params).values(), vars(whole_q._params).values()) if torch.is_tensor(w)]
+    return (torch.equal(alone_q._qdata, whole_q._qdata[ROWS])
+            and all(torch.allclose(a, w, rtol=ULPS, atol=0) for a, w in params)
+            and torch.allclose(got, whole, rtol=0, atol=ULPS * float(whole.abs().max())))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rows_requantize_as_the_whole_merge_does(layout):
     q = _weight(layout)
     assert qr.row_wise(q)
     full = dequantized(q)
     exact = full + 0.01 * torch.randn(full.shape, generator=torch.Generator().manual_seed(2))
-    whole = dequantized(q.requantize_from_float(exact, scale="recalculate"))
     amax = exact.abs().amax()
-    assert torch.equal(qr.grid_round_rows(q, exact[ROWS], amax), whole[ROWS])  # round to nearest: bit for bit
+    assert _same_rows(q, exact, qr.grid_round_rows(q, exact[ROWS], amax))  # round to nearest: bit for bit
     # the wrong answer, the rows at their own largest value: off wherever a scale spans the tensor
     alone = dequantized(q.requantize_from_float(exact[ROWS], scale="recalculate"))
-    assert torch.equal(alone, whole[ROWS]) == (layout not in TENSOR_SCALED)
+    assert _same_rows(q, exact, alone) == (layout not in TENSOR_SCALED)
 
 
 @pytest.mark.parametrize("layout", ELEMENTWISE)
@@ -67,6 +91,21 @@ def test_elementwise_layouts_read_rows_and_elements_from_their_bytes(layout):
     r3, c3 = qr.elements_at_least(q, ts, limit=10_000, rows=some)
     want = torch.nonzero(full[some].abs() >= ts[:, None], as_tuple=True)
     assert torch.equal(r3, some[want[0]]) and torch.equal(c3, want[1]) and r3.numel() != r2.numel()
+
+
+@pytest.mark.parametrize("layout", ELEMENTWISE)
+def test_the_value_table_is_the_layouts_own_dequantization(layout):
+    """Every element looked up in the weight's `value_table` equals its dequantized value, bit for bit.
+    Wrong answer: the table of the same bytes at another tensor scale."""
+    q = _weight(layout)
+    full = dequantized(q)
+    rows, cols = torch.nonzero(torch.ones_like(full, dtype=torch.bool), as_tuple=True)
+    table = qr.value_table(q)
+    assert table.shape == (256,) and table.dtype == torch.float32
+    assert torch.equal(qr.dequantized_at(q, rows, cols, table), full.reshape(-1))
+    twice = quant_formats._quantized_tensor_class().from_float(full * 2, layout, scale="recalculate")
+    other = qr.value_table(twice)
+    assert not torch.equal(qr.dequantized_at(q, rows, cols, other), full.reshape(-1))
 
 
 @pytest.mark.parametrize("cols", [256, 200])  # whole 64-byte blocks, and a short last block
@@ -136,9 +175,8 @@ def test_row_local_layouts(layout):
     assert qr.row_local(q) == (layout not in TENSOR_SCALED)
     full = dequantized(q)
     exact = full + 0.01 * torch.randn(full.shape, generator=torch.Generator().manual_seed(2))
-    whole = dequantized(q.requantize_from_float(exact, scale="recalculate"))
     alone = qr.grid_round_rows(q, exact[ROWS], None)
-    assert torch.equal(alone, whole[ROWS]) == qr.row_local(q)
+    assert _same_rows(q, exact, alone) == qr.row_local(q)
 
 
 @pytest.mark.parametrize("layout", ["TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout"])
