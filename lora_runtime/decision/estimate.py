@@ -53,8 +53,10 @@ MIN_SAMPLE_ROWS = 16
 TOP_ROWS = 4
 # the top's search screens single elements while they are at most 1/SCREEN_COST of the candidate rows'
 # elements, and computes them one by one while (elements x rank) is at most GATHER_COST x those rows'
-# elements; else it computes those rows whole (chunks of DENSE_CHUNK elements): measured costs per element
-SCREEN_COST = 4
+# elements; else it computes those rows whole (chunks of DENSE_CHUNK elements). Measured on a Wan-1.3B
+# block: past 1/64 of the rows' elements, screening and gathering them costs more than the rows whole
+# (updates that move rows by 30 % of the top: 4 -> 64 halves the search; small updates: the same)
+SCREEN_COST = 64
 GATHER_COST = 1
 DENSE_CHUNK = 1 << 20
 # before the byte screen reads every candidate row, it reads every PROBE_STEP-th: when those alone find
