@@ -196,7 +196,7 @@ class _QuantRows:
             return torch.full((self.row_max.numel(),), math.inf)
         return torch.minimum(f.terms_bound, f.row_norm * float(f.col_norm.amax())).cpu()
 
-    def _search(self, rest: list, lows: list[float]):
+    def _search(self, rest: list, lows: list[float], more: list = (), more_lows: list[float] = ()):
         """(for each j, the largest |value| over the whole tensor of W + the merged updates + those of
         rest[:j + 1], given `lows[j]`, the held rows' largest; (rows, the exact largest |value| of the
         sum of every update in each) where the search computed whole rows, else None). One search
@@ -207,7 +207,9 @@ class _QuantRows:
         (stored bytes for per-tensor fp8 / int8, scales for nvfp4) plus the norms' bound over the
         block's columns; elements, by their base value plus the norms' product at that element
         (Cauchy-Schwarz). The rest are computed one by one (a rank-long product each), or, when that
-        would cost more, those rows whole (row chunks, each update added in turn)."""
+        would cost more, those rows whole (row chunks, each update added in turn). When it computes
+        rows whole, the slots in `more` (with their floors `more_lows`) come along, each summed after
+        the last, and their tops follow rest's."""
         slots = self.merged + rest
         factors = [self._factors(p) for p in slots]
         low = torch.tensor(lows)[:, None]
@@ -244,8 +246,8 @@ class _QuantRows:
                         if j >= 0:
                             tops.append(max(lows[j], float(vals.abs().amax())) if vals.numel() else lows[j])
                     return tops, None
-        groups = [self.merged + rest[:1]] + [[p] for p in rest[1:]]
-        tops, exact = self._dense_tops(rows, groups, lows, base)
+        groups = [self.merged + rest[:1]] + [[p] for p in list(rest[1:]) + list(more)]
+        tops, exact = self._dense_tops(rows, groups, list(lows) + list(more_lows), base)
         return tops, (rows, exact)
 
     @staticmethod
@@ -300,7 +302,7 @@ class _QuantRows:
 
     def _dense_tops(self, rows: torch.Tensor, groups: list[list], lows: list[float], base):
         """(for each k, the largest |value| of W + the first k groups' updates over `rows`, at least
-        `lows[k]`; each row's exact largest |value| of all the groups' sum), in chunks of rows. `base`:
+        `lows[k]`; each row's exact largest |value| of the first group's updates' sum), in chunks of rows. `base`:
         the rows' values, if read. Low-rank groups: each chunk's sum is formed in place, one product
         per group added to it (`addmm_`), its row maxima taken after each; one screen of the base then
         serves every group (its threshold per row: the lowest of top - that sum's row maximum), and the
@@ -347,7 +349,7 @@ class _QuantRows:
                 else:
                     for k, b in sums(at, n):
                         tops[k] = max(tops[k], float((vals + b[local, cd]).abs().amax()))
-            exact[i:i + n] = most[-1].cpu()
+            exact[i:i + n] = most[0].cpu()
         return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
     def _screen_part(self, part: torch.Tensor, need: torch.Tensor, read):
@@ -401,22 +403,31 @@ class _QuantRows:
             self._held_d[s.name] = self.w.delta_rows(self.sel.to(self.q.device), [s])
         return self._held_d[s.name]
 
+    def _rest_of(self, s) -> tuple[list, list[float]] | None:
+        """(the chain from slot `s` on, less the merged slots; the held rows' largest |value| after each,
+        summed in turn onto the merged ones), or None where a slot has no low-rank factors."""
+        at = next((i for i, p in enumerate(self.chain) if p is s), len(self.chain))
+        rest = [p for p in self.chain[at:] if all(p is not m for m in self.merged)]
+        if not rest or None in (self._factors(p) for p in rest):
+            return None
+        summed, lows = self.summed, []
+        for p in rest:
+            summed = summed + self._held_delta(p)
+            lows.append(float(summed.abs().amax()))
+        return rest, lows
+
     def _chained(self, s) -> float | None:
         """The top for slot `s` from one search for the rest of the chain, each slot assumed merged
         after the last: made at the first measurement that follows a merge (the first adapter's own
-        search is cheap, and one that stays unmerged is no evidence the rest merge), used while the
-        merges since follow that rest; None otherwise (the slot's own search serves)."""
+        search is cheap, and one that stays unmerged is no evidence the rest merge) or carried along
+        the first adapter's search where that computes rows whole (`measure`), used while the merges
+        since follow that rest; None otherwise (the slot's own search serves)."""
         k = len(self.merged)
         if self._tops is None and k:
-            at = next((i for i, p in enumerate(self.chain) if p is s), len(self.chain))
-            rest = [p for p in self.chain[at:] if all(p is not m for m in self.merged)]
-            self._start, self._rest, self._tops = k, rest, False
-            if rest and None not in (self._factors(p) for p in rest):
-                summed, lows = self.summed, []
-                for p in rest:
-                    summed = summed + self._held_delta(p)
-                    lows.append(float(summed.abs().amax()))
-                self._tops = self._search(rest, lows)[0]
+            found = self._rest_of(s)
+            self._start, self._rest, self._tops = k, [] if found is None else found[0], False
+            if found is not None:
+                self._tops = self._search(*found)[0]
         j = k - self._start
         follows = bool(self._tops) and j < len(self._rest) and self._rest[j] is s and \
             all(a is p for a, p in zip(self.merged[self._start:], self._rest))
@@ -427,7 +438,14 @@ class _QuantRows:
         summed = self.summed + d
         top, b, exact = self._chained(s), self._row_bound(s), None
         if top is None:
-            tops, exact = self._search([s], [float(summed.abs().amax())])
+            low = float(summed.abs().amax())
+            found = self._rest_of(s) if not self.merged and self._tops is None and self._elementwise else None
+            if found is not None and found[0][0] is s:  # the rest of the chain comes along rows computed whole
+                tops, exact = self._search([s], [low], found[0][1:], found[1][1:])
+                if len(tops) > 1:
+                    self._start, self._rest, self._tops = 0, found[0], tops
+            else:
+                tops, exact = self._search([s], [low])
             top = tops[0]
         exact_rows = self.cur + d
         amax = torch.tensor(top)
