@@ -21,9 +21,10 @@ Contract
   the whole merge's own scale. The value is found exactly without forming the whole sum: the held
   rows, then only the rows, column blocks and elements that bounds of the updates (from their factors;
   exact row maxima where rows were computed whole) let reach it (`_QuantRows._search`). After the
-  first merge one search finds that value for every adapter still to be measured, in the order
-  given (`order`), each assumed merged after the last; it serves while the merges follow that order,
-  and an adapter measured off it is searched on its own. With stochastic rounding the sample is one
+  first merge (or along the first adapter's own search, where that computes rows whole on per-tensor
+  fp8 / int8) one search finds that value for every adapter still to be measured, in the order given
+  (`order`), each assumed merged after the last; it serves while the merges follow that order, and an
+  adapter measured off it is searched on its own. With stochastic rounding the sample is one
   draw of the merge's rounding, not the whole merge's own draw.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
