@@ -170,8 +170,8 @@ class _QuantRows:
         self.reach = torch.zeros(n)      # per row: a bound of the merged updates' sum's largest |value|
         self._known: dict = {}           # slot name -> its `Factors`
         self._held_d: dict = {}          # slot name -> its update on the held rows
-        self._tops = None                # the chain's tops for `_rest` (`_chained`), from merge `_start` on
-        self._start, self._rest = 0, []  # (False: none)
+        self._tops = None                # the chain's tops for `_rest`, from merge `_start` on (`_chained`);
+        self._start, self._rest = 0, []  # None until a chain is searched, False where none can be
         # the search screens blocks of this many columns: stored bytes per 64 columns, nvfp4's scale
         # blocks, or whole rows of the base values
         self._width = qrows.BYTE_BLOCK if self._elementwise else \
@@ -262,22 +262,24 @@ class _QuantRows:
         block = padded.reshape(-1, width).amax(dim=1)
         return torch.minimum(room[rows][:, None], up_norm[rows][:, None] * block[None, :])
 
-    def _screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int):
+    def _screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int, read=None):
         """((rows, cols, fp32 values) of the elements of `rows` whose |value| is at least `need` (one per
-        row and block of `_width` columns), or None past `limit` of them; the rows' values where they
-        were read whole, else None)."""
+        row, or per row and block of `_width` columns), or None past `limit` of them; the rows' values
+        where they were read whole, else None). `read`: the rows' values, if already read."""
+        need = need.reshape(rows.numel(), -1).cpu()
         if self._elementwise:  # the stored bytes, only the blocks whose largest byte reaches `need`
-            if rows.numel() >= 4 * PROBE_STEP and qrows.elements_at_least(
-                    self.q, need[::PROBE_STEP].contiguous(), limit // PROBE_STEP, rows[::PROBE_STEP], self.blocks) is None:
+            probe = slice(None, None, PROBE_STEP)
+            if rows.numel() >= 4 * PROBE_STEP and limit < need.shape[0] * self.q.shape[1] and qrows.elements_at_least(
+                    self.q, need[probe].contiguous(), limit // PROBE_STEP, rows[probe], self.blocks) is None:
                 return None, None  # every PROBE_STEP-th row alone finds more than its share of `limit`
             found = qrows.elements_at_least(self.q, need, limit, rows, self.blocks)
             if found is None:
                 return None, None
             r, c = found
             return (r, c, qrows.dequantized_at(self.q, r, c, self.table).cpu()), None
-        if qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
+        if read is None and qrows.reads_blocks(self.q):  # nvfp4: blocks bounded by their scales, the rest read alone
             return self._block_screen(rows, need, limit), None
-        base = self._base(rows)
+        base = self._base(rows) if read is None else read
         hit = base.abs() >= need.to(base.device)
         if int(torch.count_nonzero(hit)) > limit:
             return None, base
@@ -336,7 +338,7 @@ class _QuantRows:
             for k, b in sums(at, n):
                 torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[k])
             need = (torch.tensor(tops, device=dev)[:, None] - most).amin(dim=0)
-            r, c, vals = self._screen_part(part, need, None if base is None else base[i:i + n])
+            (r, c, vals), _ = self._screen(part, need, n * cols, None if base is None else base[i:i + n])
             if r.numel():
                 local, vals = torch.searchsorted(part, r).to(dev), vals.to(dev)
                 cd = c.to(dev)
@@ -353,24 +355,9 @@ class _QuantRows:
             exact[i:i + n] = most[0].cpu()
         return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
-    def _screen_part(self, part: torch.Tensor, need: torch.Tensor, read):
-        """(rows, cols, values) of every element of `part` whose base |value| reaches `need` (one per
-        row), read from the stored bytes, the scale blocks, or `read` (the rows' values, if read)."""
-        cols = self.q.shape[1]
-        if self._elementwise:
-            r, c = qrows.elements_at_least(self.q, need.cpu(), part.numel() * cols, part, self.blocks)
-            return r, c, qrows.dequantized_at(self.q, r, c, self.table) if r.numel() else torch.zeros(0)
-        if read is None and qrows.reads_blocks(self.q):
-            return self._block_screen(part, need.cpu(), part.numel() * cols)
-        read = self._base(part) if read is None else read
-        hit = read.abs() >= need[:, None].to(read.device)
-        i, c = torch.nonzero(hit, as_tuple=True)
-        return part[i.cpu()], c.cpu(), read[hit]
-
     def _dense_tops_deltas(self, rows: torch.Tensor, groups: list[list], lows: list[float], base):
-        """`_dense_tops` for updates without low-rank factors: (for each k, the largest |value| of W + the first k groups' updates over `rows`, at least
-        `lows[k]`; each row's exact largest |value| of all the groups' sum), in chunks of rows, each
-        group's update added to the sum in turn. `base`: the rows' values, if read."""
+        """`_dense_tops` for updates without low-rank factors: each group's update added to the chunk's
+        sum in turn (`weight_merge.delta_rows`) and the base screened for each."""
         cols, dev = self.q.shape[1], self.q.device
         step = max(1, DENSE_CHUNK // cols)
         tops, exact = list(lows), torch.empty(rows.numel())
@@ -384,6 +371,8 @@ class _QuantRows:
                 d = weight_merge.delta_rows(src, part.to(dev), group, False)
                 upd = d if upd is None else upd.add_(d)
                 most = upd.abs().amax(dim=1)
+                if k == 0:
+                    exact[i:i + step] = most.cpu()
                 if self._elementwise:  # only the elements whose base value can reach the top so far
                     r, c = qrows.elements_at_least(self.q, tops[k] - most, part.numel() * cols, part, self.blocks)
                     vals = qrows.dequantized_at(self.q, r, c, self.table) if r.numel() else None
@@ -396,7 +385,6 @@ class _QuantRows:
                 if r.numel():
                     vals = vals.to(dev) + upd[torch.searchsorted(part, r).to(dev), c.to(dev)]
                     tops[k] = max(tops[k], float(vals.abs().amax()))
-            exact[i:i + step] = most.cpu()
         return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
     def _held_delta(self, s) -> torch.Tensor:
@@ -441,7 +429,7 @@ class _QuantRows:
         if top is None:
             low = float(summed.abs().amax())
             found = self._rest_of(s) if not self.merged and self._tops is None and self._elementwise else None
-            if found is not None and found[0][0] is s:  # the rest of the chain comes along rows computed whole
+            if found is not None:  # the rest of the chain comes along where rows are computed whole
                 tops, exact = self._search([s], [low], found[0][1:], found[1][1:])
                 if len(tops) > 1:
                     self._start, self._rest, self._tops = 0, found[0], tops

@@ -80,6 +80,22 @@ def test_the_sample_takes_the_whole_merges_scale(layout):
 SEARCHES = {"rows whole": (1 << 30, 1 << 30), "rows whole twice": (1 << 30, 0), "single elements": (1, 1 << 30)}
 
 
+def _use_search(monkeypatch, search: str) -> None:
+    screen, gather = SEARCHES[search]
+    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
+    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+
+
+def _merged_tops(est, names) -> list[float]:
+    """Each adapter measured and merged in turn: the top each measurement took."""
+    tops = []
+    for name in names:
+        _, after = est.share(name)
+        tops.append(float(after["l"][1]))
+        est.advance(after)
+    return tops
+
+
 @pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("layout", TENSOR_SCALED)
 def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypatch):
@@ -88,9 +104,7 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
     sum does, so the third's search must carry the earlier merges' reach. Either search (single
     elements, or the candidate rows computed whole) finds the whole sum's top; the wrong answer is
     the held rows' own largest value."""
-    screen, gather = SEARCHES[search]
-    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
-    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name in ("a0", "a1"):  # each adds 0.25 at (77, 5)
         _moves_row_77(w, name, 0.25)
@@ -98,11 +112,7 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
     rows = est.rows["l"]
     assert 77 not in rows.sel.tolist()
     searches = _count_searches(monkeypatch)
-    tops = []
-    for name in ("a0", "a1", "a2"):
-        _, after = est.share(name)
-        tops.append(float(after["l"][1]))
-        est.advance(after)
+    tops = _merged_tops(est, ("a0", "a1", "a2"))
     whole = _whole(w, ["a0", "a1", "a2"])
     assert tops == pytest.approx(whole, rel=1e-6)
     assert searches in _one_chain(3)
@@ -151,20 +161,14 @@ def test_each_top_of_one_search_is_found(layout, search, moves, monkeypatch):
     """a0 merges; one search serves a1 and a2, which move (77, 5) to the tensor's top and back, or only
     the second moves it there. Each top sits where only its own sum's bounds and row maxima reach: a
     screen held to one of the two thresholds misses the other's. Reference: the whole sums."""
-    screen, gather = SEARCHES[search]
-    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
-    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name, by in zip(("a1", "a2"), MOVES[moves]):
         if by is not None:
             _moves_row_77(w, name, by)
     est = estimate.SequentialEstimate([w])
     searches = _count_searches(monkeypatch)
-    tops = []
-    for name in ("a0", "a1", "a2"):
-        _, after = est.share(name)
-        tops.append(float(after["l"][1]))
-        est.advance(after)
+    tops = _merged_tops(est, ("a0", "a1", "a2"))
     whole = _whole(w, ["a0", "a1", "a2"])
     assert tops == pytest.approx(whole, rel=1e-6) and searches in _one_chain(3)
     at = [abs(float(w.weight2d[77, 5] + sum(w.delta_rows(torch.tensor([77]), [w.slots[n]])[0, 5]
@@ -179,9 +183,7 @@ def test_merges_off_the_chain_are_searched_afresh(layout, search, monkeypatch):
     """a0 merges; a1 is measured (one search for a1, a2, a3, each assumed merged after the last) but
     stays unmerged; a3 is measured next and merges, then a2: each top is then that of W + what did
     merge + it, searched on its own. Wrong answer: the chain's tops, which count a1's move of row 77."""
-    screen, gather = SEARCHES[search]
-    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
-    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01, 0.01))
     _moves_row_77(w, "a1", 0.6)
     est = estimate.SequentialEstimate([w])
@@ -190,11 +192,7 @@ def test_merges_off_the_chain_are_searched_afresh(layout, search, monkeypatch):
     est.advance(after)
     est.share("a1")  # not merged
     chain = est.rows["l"]._tops
-    tops = []
-    for name in ("a3", "a2"):
-        _, after = est.share(name)
-        tops.append(float(after["l"][1]))
-        est.advance(after)
+    tops = _merged_tops(est, ("a3", "a2"))
     want = _whole(w, ["a0", "a3", "a2"])[1:]
     assert tops == pytest.approx(want, rel=1e-6)
     assert searches in ([4, 1, 1], [1, 3, 1, 1])
@@ -210,9 +208,7 @@ def test_the_first_search_carries_the_chain_when_it_computes_rows_whole(layout, 
     the chain comes along, one search for all three. Where a0 stays unmerged, a1 and a2 are searched on
     their own against W alone. Reference: the whole sums; wrong answers: the held rows' own top, the
     carried chain's tops where a0 stays unmerged."""
-    screen, gather = SEARCHES[search]
-    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
-    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name in ("a0", "a1"):
         _moves_row_77(w, name, 0.3)
@@ -241,9 +237,7 @@ def test_a_carried_search_keeps_the_merged_rows_maxima(layout, search, monkeypat
     chain's rows and stays unmerged; a2 is then searched on its own against W + a0, whose top is at
     (77, 5). The rows' maxima the first search leaves for later bounds are a0's alone (wrong answer:
     those of the whole chain's sum, where a1 took the move back, which would drop row 77)."""
-    screen, gather = SEARCHES[search]
-    monkeypatch.setattr(estimate, "SCREEN_COST", screen)
-    monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     _moves_row_77(w, "a0", 0.5)
     _moves_row_77(w, "a1", -0.5)
@@ -270,11 +264,7 @@ def test_the_chain_follows_the_given_order(layout, monkeypatch):
     order = ["a2", "a1", "a0"]
     est = estimate.SequentialEstimate([w], order=order)
     searches = _count_searches(monkeypatch)
-    tops = []
-    for name in order:
-        _, after = est.share(name)
-        tops.append(float(after["l"][1]))
-        est.advance(after)
+    tops = _merged_tops(est, order)
     assert tops == pytest.approx(_whole(w, order), rel=1e-6)
     assert searches in _one_chain(3)
     total = w.weight2d + w.delta_rows(slice(None), [w.slots[n] for n in order])
@@ -297,11 +287,7 @@ def test_updates_without_low_rank_factors_take_the_rows_whole(layout):
     assert w.slots["dora"].update.stack() is None and w.slots["diff"].update.stack() is None
     est = estimate.SequentialEstimate([w])
     rows = est.rows["l"]
-    tops = []
-    for name in ("dora", "diff"):
-        _, after = est.share(name)
-        tops.append(float(after["l"][1]))
-        est.advance(after)
+    tops = _merged_tops(est, ("dora", "diff"))
     assert tops == pytest.approx(_whole(w, ["dora", "diff"]), rel=1e-6)
     assert 77 not in rows.sel.tolist() and float(rows.summed.abs().amax()) < 0.95 * tops[1]
 
