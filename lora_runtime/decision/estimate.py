@@ -92,6 +92,11 @@ def _sq(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t)) ** 2  # one fused fp32 reduction, no float64 copy
 
 
+def _absmax(t: torch.Tensor) -> float:
+    """The largest |value| of `t` (NaN if it holds one): two reductions in place, no |t| copy."""
+    return float(torch.maximum(t.amax(), t.amin().neg()))
+
+
 class _Rows:
     """A float weight's sampled rows (or a quantized weight's, every row, re-quantized whole)."""
 
@@ -148,9 +153,10 @@ class _QuantRows:
         even = sample_rows(n, torch.device("cpu"), max_rows, cols)
         even = torch.arange(n) if isinstance(even, slice) else even.cpu()
         self._elementwise = qrows.elementwise(self.q)
-        self.blocks = self.table = None
+        self.blocks = self.table = self.scale = None
         if self._elementwise:  # rows and elements screened from the stored bytes' block maxima
             self.blocks, self.table = qrows.stored_blocks(self.q), qrows.value_table(self.q)
+            self.scale = qrows.linear_scale(self.q, self.table)
             self._full, self.row_max = None, qrows.stored_row_absmax(self.q, self.blocks).cpu()
         elif qrows.swizzled(self.q):  # rows read alone; row maxima bounded from the scales
             self._full, self.row_max = None, qrows.row_bound(self.q)
@@ -186,7 +192,7 @@ class _QuantRows:
         dev = self.q.device
         if self._full is not None:
             return self._full[rows.to(dev)].float()
-        return qrows.dequantized_rows(self.q, rows.to(dev))
+        return qrows.dequantized_rows(self.q, rows.to(dev), self.scale)
 
     def _row_bound(self, s) -> torch.Tensor:
         """fp32 [out]: a bound of each row's largest |value| of slot `s`'s update from its factors alone
@@ -210,18 +216,12 @@ class _QuantRows:
         (Cauchy-Schwarz). The rest are computed one by one (a rank-long product each), or, when that
         would cost more, those rows whole (row chunks, each update added in turn). When it computes
         rows whole, the slots in `more` (with their floors `more_lows`) come along, each summed after
-        the last, and their tops follow rest's."""
-        slots = self.merged + rest
-        factors = [self._factors(p) for p in slots]
+        the last, over every row that any of rest's or more's bounds let reach its floor, and their
+        tops follow rest's."""
+        rows, room, up_norm, down_norm = self._rows_reaching(rest, lows)
+        factors = [self._factors(p) for p in self.merged + rest]
         low = torch.tensor(lows)[:, None]
-        reach = self.reach + torch.stack([self._row_bound(p) for p in rest]).cumsum(dim=0)  # [j, out]
-        room = reach
         low_rank = None not in factors
-        if low_rank:  # the sum's own norms bound it closer than the terms'
-            up_norm = torch.stack([f.row_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
-            down_norm = torch.stack([f.col_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
-            room = torch.minimum(room, up_norm * down_norm.amax(dim=1, keepdim=True))
-        rows = torch.nonzero(~self.held & (self.row_max + room >= low).any(dim=0)).reshape(-1)
         if rows.numel() == 0:
             return list(lows), None
         dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
@@ -247,9 +247,28 @@ class _QuantRows:
                         if j >= 0:
                             tops.append(max(lows[j], float(vals.abs().amax())) if vals.numel() else lows[j])
                     return tops, None
+        if more:  # the rows that only a later slot's bounds let reach its floor come along too
+            rows, base = self._rows_reaching(list(rest) + list(more), list(lows) + list(more_lows))[0], None
         groups = [self.merged + rest[:1]] + [[p] for p in list(rest[1:]) + list(more)]
         tops, exact = self._dense_tops(rows, groups, list(lows) + list(more_lows), base)
         return tops, (rows, exact)
+
+    def _rows_reaching(self, rest: list, lows: list[float]):
+        """(the rows outside the held ones whose base's largest value plus a bound of the updates lets
+        any j reach `lows[j]`; per j and row, that bound: the merged updates' reach plus rest[:j + 1]'s
+        row bounds, or where every update is low-rank, the smaller of that and the stacked norms'
+        product; the stacked up norms per j and row, and down norms per j and column (None where an
+        update is not low-rank))."""
+        factors = [self._factors(p) for p in self.merged + rest]
+        room = self.reach + torch.stack([self._row_bound(p) for p in rest]).cumsum(dim=0)  # [j, out]
+        up_norm = down_norm = None
+        if None not in factors:  # the sum's own norms bound it closer than the terms'
+            up_norm = torch.stack([f.row_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
+            down_norm = torch.stack([f.col_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
+            room = torch.minimum(room, up_norm * down_norm.amax(dim=1, keepdim=True))
+        low = torch.tensor(lows)[:, None]
+        rows = torch.nonzero(~self.held & (self.row_max + room >= low).any(dim=0)).reshape(-1)
+        return rows, room, up_norm, down_norm
 
     @staticmethod
     def _block_room(rows, room, up_norm, down_norm, width: int) -> torch.Tensor:
@@ -310,8 +329,10 @@ class _QuantRows:
         per group added to it (`addmm_`), its row maxima taken after each; one screen of the base then
         serves every group (its threshold per row: the lowest of top - that sum's row maximum), and the
         earlier groups' sums at the few elements it finds are their factors' products there (or, when
-        those would cost more, the chunk's products formed again). Else each group's update is added
-        in turn (`weight_merge.delta_rows`) and screened apart."""
+        those would cost more, the chunk's products formed again; from then on each chunk's base is
+        read whole, added to the first group's sum, and the tops are the maxima of W + each sum, with
+        no screen). Else each group's update is added in turn (`weight_merge.delta_rows`) and
+        screened apart."""
         factors = [[self._factors(p) for p in g] for g in groups]
         if any(f is None for fs in factors for f in fs):
             return self._dense_tops_deltas(rows, groups, lows, base)
@@ -331,10 +352,20 @@ class _QuantRows:
                     buf[:n].addmm_(ups[k][at], downs[k])
                 yield k, buf[:n]
 
+        whole = False  # set by the first chunk whose screen finds more than its factors can gather
         for i in range(0, rows.numel(), step):
             part = rows[i:i + step]
             n, at = part.numel(), part.to(dev)
             most = torch.empty((len(groups), n), device=dev)
+            if whole:  # W + each sum formed in place: its maxima are the tops, no screen
+                read = self._base(part) if base is None else base[i:i + n].to(dev)
+                for k, b in sums(at, n):
+                    if k == 0:
+                        torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[0])
+                        b.add_(read)
+                    tops[k] = max(tops[k], _absmax(b))
+                exact[i:i + n] = most[0].cpu()
+                continue
             for k, b in sums(at, n):
                 torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[k])
             need = (torch.tensor(tops, device=dev)[:, None] - most).amin(dim=0)
@@ -352,6 +383,7 @@ class _QuantRows:
                 else:
                     for k, b in sums(at, n):
                         tops[k] = max(tops[k], float((vals + b[local, cd]).abs().amax()))
+                    whole = True
             exact[i:i + n] = most[0].cpu()
         return tops, exact * 1.0001  # a bound for later sums, whose fp32 roundings differ
 
@@ -402,7 +434,7 @@ class _QuantRows:
         summed, lows = self.summed, []
         for p in rest:
             summed = summed + self._held_delta(p)
-            lows.append(float(summed.abs().amax()))
+            lows.append(_absmax(summed))
         return rest, lows
 
     def _chained(self, s) -> float | None:
@@ -427,7 +459,7 @@ class _QuantRows:
         summed = self.summed + d
         top, b, exact = self._chained(s), self._row_bound(s), None
         if top is None:
-            low = float(summed.abs().amax())
+            low = _absmax(summed)
             found = self._rest_of(s) if not self.merged and self._tops is None and self._elementwise else None
             if found is not None:  # the rest of the chain comes along where rows are computed whole
                 tops, exact = self._search([s], [low], found[0][1:], found[1][1:])

@@ -16,7 +16,8 @@ Contract
   finds the elements whose |value| is at least `t` (per row, or per block of BYTE_BLOCK columns) the
   same way, reading only `rows` when given (None past `limit` of them), and with `stored_blocks(w)`,
   each block's largest stored magnitude, only the blocks that can hold one; `dequantized_at(w, rows,
-  cols)` reads them.
+  cols)` reads them; `linear_scale(w, value_table(w))`, where the layout's values are each code times
+  its scale in fp32, lets `dequantized_rows` read rows as that multiply, bit for bit.
 - `row_local(w)`: the row-wise layouts with no scale spanning the tensor (mxfp8, the 4-bit ones):
   rows re-quantized alone are the whole merge's rows.
 - `swizzled(w)`: block scales stored in the cuBLAS block-scaling layout (mxfp8, nvfp4):
@@ -102,9 +103,12 @@ def _scale_rows(w, rows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dequantized_rows(w, rows: torch.Tensor) -> torch.Tensor:
+def dequantized_rows(w, rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 values of `rows` of an `elementwise` or `swizzled` weight (equal to ``dequantized(w)[rows]``):
-    a `swizzled` one is read as a weight of those rows alone, their scales laid out again."""
+    a `swizzled` one is read as a weight of those rows alone, their scales laid out again; with an
+    `elementwise` weight's `linear_scale`, as one fp32 multiply of the stored codes."""
+    if scale is not None:
+        return w._qdata.index_select(0, rows.to(w._qdata.device).long()).float().mul_(scale)
     if not swizzled(w):
         return _dequantized_data(w, w._qdata[rows])
     field, pad = _SWIZZLED[quant_layout(w)]
@@ -318,6 +322,20 @@ def value_table(w) -> torch.Tensor:
     (one scale for the tensor: an element's value is its byte's)."""
     every = torch.arange(256, dtype=torch.int32, device=w._qdata.device).to(torch.uint8)
     return _dequantized_data(w, every.view(w._qdata.dtype).reshape(1, -1)).reshape(-1)
+
+
+@torch.no_grad()
+def linear_scale(w, table: torch.Tensor) -> torch.Tensor | None:
+    """fp32 0-dim: the scale of an `elementwise` weight whose `value_table` is each stored code in fp32
+    times that scale, bit for bit (every code checked; NaN where the code is NaN), else None."""
+    scale = getattr(w._params, "scale", None)
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        return None
+    scale = scale.reshape(()).to(device=table.device, dtype=torch.float32)
+    codes = torch.arange(256, dtype=torch.int32, device=table.device).to(torch.uint8)
+    mine = codes.view(w._qdata.dtype).float() * scale
+    same = (mine == table) | (mine.isnan() & table.isnan())
+    return scale if bool(same.all()) else None
 
 
 @torch.no_grad()

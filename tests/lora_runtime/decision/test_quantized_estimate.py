@@ -75,15 +75,20 @@ def test_the_sample_takes_the_whole_merges_scale(layout):
     assert sample_only < 0.9 * whole[0]  # the wrong answer: the sample's own top
 
 
-# (SCREEN_COST, GATHER_COST): candidate rows computed whole (the earlier sums at the elements found read
-# from the factors, or the rows' sums formed again), or single elements computed one by one
-SEARCHES = {"rows whole": (1 << 30, 1 << 30), "rows whole twice": (1 << 30, 0), "single elements": (1, 1 << 30)}
+# (SCREEN_COST, GATHER_COST, DENSE_CHUNK): candidate rows computed whole (the earlier sums at the elements
+# found read from the factors, or the rows' sums formed again; in chunks of 8 rows, the base read whole
+# and summed onto from the chunk after the first whose sums are formed again), or single elements
+# computed one by one
+CHUNK = estimate.DENSE_CHUNK
+SEARCHES = {"rows whole": (1 << 30, 1 << 30, CHUNK), "rows whole twice": (1 << 30, 0, CHUNK),
+            "base read whole": (1 << 30, 0, 8 * COLS), "single elements": (1, 1 << 30, CHUNK)}
 
 
 def _use_search(monkeypatch, search: str) -> None:
-    screen, gather = SEARCHES[search]
+    screen, gather, chunk = SEARCHES[search]
     monkeypatch.setattr(estimate, "SCREEN_COST", screen)
     monkeypatch.setattr(estimate, "GATHER_COST", gather)
+    monkeypatch.setattr(estimate, "DENSE_CHUNK", chunk)
 
 
 def _merged_tops(est, names) -> list[float]:
@@ -107,7 +112,7 @@ def test_the_top_outside_the_held_rows_is_found_exactly(layout, search, monkeypa
     _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name in ("a0", "a1"):  # each adds 0.25 at (77, 5)
-        _moves_row_77(w, name, 0.25)
+        _moves_row(w, name, 0.25)
     est = estimate.SequentialEstimate([w])
     rows = est.rows["l"]
     assert 77 not in rows.sel.tolist()
@@ -141,12 +146,12 @@ def _one_chain(adapters: int) -> list[list[int]]:
     return [[adapters], [1, adapters - 1]]
 
 
-def _moves_row_77(w: AdaptedLayer, name: str, by: float) -> None:
-    """Adapter `name` adds `by` at (77, 5), a row with only ordinary stored values."""
+def _moves_row(w: AdaptedLayer, name: str, by: float, row: int = 77) -> None:
+    """Adapter `name` adds `by` at (row, 5), a row with only ordinary stored values (77 by default)."""
     with torch.no_grad():
         u = w.slots[name].update
-        u.up[77] = 0.0
-        u.up[77, 0] = 1.0
+        u.up[row] = 0.0
+        u.up[row, 0] = 1.0
         u.down[0] = 0.0
         u.down[0, 5] = by
 
@@ -165,7 +170,7 @@ def test_each_top_of_one_search_is_found(layout, search, moves, monkeypatch):
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name, by in zip(("a1", "a2"), MOVES[moves]):
         if by is not None:
-            _moves_row_77(w, name, by)
+            _moves_row(w, name, by)
     est = estimate.SequentialEstimate([w])
     searches = _count_searches(monkeypatch)
     tops = _merged_tops(est, ("a0", "a1", "a2"))
@@ -185,7 +190,7 @@ def test_merges_off_the_chain_are_searched_afresh(layout, search, monkeypatch):
     merge + it, searched on its own. Wrong answer: the chain's tops, which count a1's move of row 77."""
     _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01, 0.01))
-    _moves_row_77(w, "a1", 0.6)
+    _moves_row(w, "a1", 0.6)
     est = estimate.SequentialEstimate([w])
     searches = _count_searches(monkeypatch)
     _, after = est.share("a0")
@@ -201,7 +206,7 @@ def test_merges_off_the_chain_are_searched_afresh(layout, search, monkeypatch):
 
 
 @pytest.mark.parametrize("first_merges", [True, False])
-@pytest.mark.parametrize("search", ["rows whole", "rows whole twice"])
+@pytest.mark.parametrize("search", ["rows whole", "rows whole twice", "base read whole"])
 @pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout"])
 def test_the_first_search_carries_the_chain_when_it_computes_rows_whole(layout, search, first_merges, monkeypatch):
     """a0 and a1 each move (77, 5) by 0.3, so a0's own search computes candidate rows whole: the rest of
@@ -211,7 +216,7 @@ def test_the_first_search_carries_the_chain_when_it_computes_rows_whole(layout, 
     _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
     for name in ("a0", "a1"):
-        _moves_row_77(w, name, 0.3)
+        _moves_row(w, name, 0.3)
     est = estimate.SequentialEstimate([w])
     searches = _count_searches(monkeypatch)
     merged = ["a0", "a1", "a2"] if first_merges else ["a1", "a2"]
@@ -230,7 +235,30 @@ def test_the_first_search_carries_the_chain_when_it_computes_rows_whole(layout, 
         assert est.rows["l"]._tops[1] > 1.2 * whole[0]
 
 
-@pytest.mark.parametrize("search", ["rows whole", "rows whole twice"])
+@pytest.mark.parametrize("search", ["rows whole", "rows whole twice", "base read whole"])
+@pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout"])
+def test_the_carried_chain_reaches_rows_only_a_later_adapter_moves(layout, search, monkeypatch):
+    """a0 moves (77, 5) by 0.3, so its own search computes candidate rows whole and carries the chain;
+    only a2 moves row 150, by 0.8, which a0's bounds do not let reach a0's floor: the carried search
+    must compute it too. Reference: the whole sums; wrong answer: the rows a0's bounds reach, without
+    row 150."""
+    _use_search(monkeypatch, search)
+    w = _layer(layout, sizes=(0.02, 0.01, 0.01))
+    _moves_row(w, "a0", 0.3)
+    _moves_row(w, "a2", 0.8, row=150)
+    est = estimate.SequentialEstimate([w])
+    rows = est.rows["l"]
+    rest, lows = rows._rest_of(w.slots["a0"])
+    assert 150 not in rows.sel.tolist() and 150 not in rows._rows_reaching(rest[:1], lows[:1])[0].tolist()
+    searches = _count_searches(monkeypatch)
+    tops = _merged_tops(est, ("a0", "a1", "a2"))
+    whole = _whole(w, ["a0", "a1", "a2"])
+    assert tops == pytest.approx(whole, rel=1e-6) and searches == [3]
+    total = w.weight2d + w.delta_rows(slice(None), [w.slots[n] for n in ("a0", "a1", "a2")])
+    assert int(total.abs().argmax()) // COLS == 150
+
+
+@pytest.mark.parametrize("search", ["rows whole", "rows whole twice", "base read whole"])
 @pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorCoreFP8E5M2Layout", "TensorWiseINT8Layout"])
 def test_a_carried_search_keeps_the_merged_rows_maxima(layout, search, monkeypatch):
     """a0 moves (77, 5) by 0.5 and merges; a1, which takes the move back, is measured off the carried
@@ -239,8 +267,8 @@ def test_a_carried_search_keeps_the_merged_rows_maxima(layout, search, monkeypat
     those of the whole chain's sum, where a1 took the move back, which would drop row 77)."""
     _use_search(monkeypatch, search)
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
-    _moves_row_77(w, "a0", 0.5)
-    _moves_row_77(w, "a1", -0.5)
+    _moves_row(w, "a0", 0.5)
+    _moves_row(w, "a1", -0.5)
     est = estimate.SequentialEstimate([w])
     searches = _count_searches(monkeypatch)
     _, after = est.share("a0")
@@ -254,13 +282,37 @@ def test_a_carried_search_keeps_the_merged_rows_maxima(layout, search, monkeypat
 
 
 @pytest.mark.parametrize("layout", TENSOR_SCALED)
+def test_large_updates_read_the_base_whole_after_a_crowded_screen(layout, monkeypatch):
+    """Three large updates (each moving rows by about a third of the weight's top), one chain search
+    over candidate rows computed whole in 8-row chunks: once a chunk's screen finds more elements than
+    its factors may gather, each later chunk's base is read whole and summed onto (no screen); the tops
+    still equal the whole sums'. Wrong answer: the base's own top (the updates left out)."""
+    _use_search(monkeypatch, "base read whole")
+    w = _layer(layout, sizes=(0.06, 0.06, 0.06))
+    _moves_row(w, "a2", 0.6)
+    reads, real = [], estimate._QuantRows._base
+
+    def spy(self, rows):
+        reads.append(rows.numel())
+        return real(self, rows)
+
+    monkeypatch.setattr(estimate._QuantRows, "_base", spy)
+    est = estimate.SequentialEstimate([w])
+    tops = _merged_tops(est, ("a0", "a1", "a2"))
+    whole = _whole(w, ["a0", "a1", "a2"])
+    assert tops == pytest.approx(whole, rel=1e-6)
+    assert sum(n <= 8 for n in reads) >= 10  # most chunks of ~500 candidate rows read whole
+    assert float(w.weight2d.abs().amax()) < 0.9 * whole[2]
+
+
+@pytest.mark.parametrize("layout", TENSOR_SCALED)
 def test_the_chain_follows_the_given_order(layout, monkeypatch):
     """Measured in the order a2, a1, a0 (not the slots' own), each merging: the chain made after a2's
     merge serves a1 and a0 with W + a2 + a1's and W + a2 + a1 + a0's tops. Wrong answer: the
     layer's own order, which would leave the chain unused (three searches)."""
     w = _layer(layout, sizes=(0.02, 0.01, 0.01))
-    _moves_row_77(w, "a1", 0.3)
-    _moves_row_77(w, "a0", 0.3)
+    _moves_row(w, "a1", 0.3)
+    _moves_row(w, "a0", 0.3)
     order = ["a2", "a1", "a0"]
     est = estimate.SequentialEstimate([w], order=order)
     searches = _count_searches(monkeypatch)

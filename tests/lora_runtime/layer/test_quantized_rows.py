@@ -108,6 +108,26 @@ def test_the_value_table_is_the_layouts_own_dequantization(layout):
     assert not torch.equal(qr.dequantized_at(q, rows, cols, other), full.reshape(-1))
 
 
+@pytest.mark.parametrize("layout", ELEMENTWISE)
+def test_rows_read_as_one_multiply_are_the_layouts_own(layout):
+    """Where every stored code's value is the code in fp32 times the scale (`linear_scale`, checked
+    against the value table), rows read as that multiply equal the layout's dequantized rows bit for
+    bit. Wrong answers: a scale one ulp off, and a table one entry off (then no scale is returned)."""
+    q = _weight(layout)
+    full = dequantized(q)
+    table = qr.value_table(q)
+    scale = qr.linear_scale(q, table)
+    assert scale is not None and scale.dtype == torch.float32
+    every = torch.arange(300)
+    assert torch.equal(qr.dequantized_rows(q, every, scale), full)
+    assert torch.equal(qr.dequantized_rows(q, ROWS, scale), full[ROWS])
+    off = torch.nextafter(scale, torch.tensor(float("inf")))
+    assert not torch.equal(qr.dequantized_rows(q, every, off), full)
+    bent = table.clone()
+    bent[3] = torch.nextafter(bent[3], torch.tensor(float("inf")))
+    assert qr.linear_scale(q, bent) is None
+
+
 @pytest.mark.parametrize("cols", [256, 200])  # whole 64-byte blocks, and a short last block
 @pytest.mark.parametrize("layout", ELEMENTWISE)
 def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeypatch):
