@@ -97,6 +97,11 @@ def _absmax(t: torch.Tensor) -> float:
     return float(torch.maximum(t.amax(), t.amin().neg()))
 
 
+def _row_absmax(t: torch.Tensor, out: torch.Tensor) -> None:
+    """Each row's largest |value| of 2-D `t`, into `out`, the same way."""
+    torch.maximum(t.amax(dim=1), t.amin(dim=1).neg(), out=out)
+
+
 class _Rows:
     """A float weight's sampled rows (or a quantized weight's, every row, re-quantized whole)."""
 
@@ -218,10 +223,14 @@ class _QuantRows:
         rows whole, the slots in `more` (with their floors `more_lows`) come along, each summed after
         the last, over every row that any of rest's or more's bounds let reach its floor, and their
         tops follow rest's."""
-        rows, room, up_norm, down_norm = self._rows_reaching(rest, lows)
+        m = len(rest)
+        hits, room, up_norm, down_norm = self._rows_reaching(list(rest) + list(more),
+                                                             list(lows) + list(more_lows))
+        room, up_norm, down_norm = room[:m], *(None if x is None else x[:m] for x in (up_norm, down_norm))
+        rows = torch.nonzero(hits[:m].any(dim=0)).reshape(-1)
         factors = [self._factors(p) for p in self.merged + rest]
         low = torch.tensor(lows)[:, None]
-        low_rank = None not in factors
+        low_rank = up_norm is not None
         if rows.numel() == 0:
             return list(lows), None
         dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
@@ -248,17 +257,17 @@ class _QuantRows:
                             tops.append(max(lows[j], float(vals.abs().amax())) if vals.numel() else lows[j])
                     return tops, None
         if more:  # the rows that only a later slot's bounds let reach its floor come along too
-            rows, base = self._rows_reaching(list(rest) + list(more), list(lows) + list(more_lows))[0], None
+            rows, base = torch.nonzero(hits.any(dim=0)).reshape(-1), None
         groups = [self.merged + rest[:1]] + [[p] for p in list(rest[1:]) + list(more)]
         tops, exact = self._dense_tops(rows, groups, list(lows) + list(more_lows), base)
         return tops, (rows, exact)
 
     def _rows_reaching(self, rest: list, lows: list[float]):
-        """(the rows outside the held ones whose base's largest value plus a bound of the updates lets
-        any j reach `lows[j]`; per j and row, that bound: the merged updates' reach plus rest[:j + 1]'s
-        row bounds, or where every update is low-rank, the smaller of that and the stacked norms'
-        product; the stacked up norms per j and row, and down norms per j and column (None where an
-        update is not low-rank))."""
+        """(bool [j, out]: the rows outside the held ones whose base's largest value plus a bound of the
+        updates lets j reach `lows[j]`; per j and row, that bound: the merged updates' reach plus
+        rest[:j + 1]'s row bounds, or where every update is low-rank, the smaller of that and the
+        stacked norms' product; the stacked up norms per j and row, and down norms per j and column
+        (None where an update is not low-rank))."""
         factors = [self._factors(p) for p in self.merged + rest]
         room = self.reach + torch.stack([self._row_bound(p) for p in rest]).cumsum(dim=0)  # [j, out]
         up_norm = down_norm = None
@@ -266,9 +275,7 @@ class _QuantRows:
             up_norm = torch.stack([f.row_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
             down_norm = torch.stack([f.col_norm ** 2 for f in factors]).cumsum(dim=0)[len(self.merged):].sqrt()
             room = torch.minimum(room, up_norm * down_norm.amax(dim=1, keepdim=True))
-        low = torch.tensor(lows)[:, None]
-        rows = torch.nonzero(~self.held & (self.row_max + room >= low).any(dim=0)).reshape(-1)
-        return rows, room, up_norm, down_norm
+        return ~self.held & (self.row_max + room >= torch.tensor(lows)[:, None]), room, up_norm, down_norm
 
     @staticmethod
     def _block_room(rows, room, up_norm, down_norm, width: int) -> torch.Tensor:
@@ -361,13 +368,13 @@ class _QuantRows:
                 read = self._base(part) if base is None else base[i:i + n].to(dev)
                 for k, b in sums(at, n):
                     if k == 0:
-                        torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[0])
+                        _row_absmax(b, most[0])
                         b.add_(read)
                     tops[k] = max(tops[k], _absmax(b))
                 exact[i:i + n] = most[0].cpu()
                 continue
             for k, b in sums(at, n):
-                torch.maximum(b.amax(dim=1), b.amin(dim=1).neg(), out=most[k])
+                _row_absmax(b, most[k])
             need = (torch.tensor(tops, device=dev)[:, None] - most).amin(dim=0)
             (r, c, vals), _ = self._screen(part, need, n * cols, None if base is None else base[i:i + n])
             if r.numel():
