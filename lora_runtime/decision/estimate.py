@@ -24,8 +24,10 @@ Contract
   first merge (or along the first adapter's own search, where that computes rows whole on per-tensor
   fp8 / int8) one search finds that value for every adapter still to be measured, in the order given
   (`order`), each assumed merged after the last; it serves while the merges follow that order, and an
-  adapter measured off it is searched on its own. With stochastic rounding the sample is one
-  draw of the merge's rounding, not the whole merge's own draw.
+  adapter measured off it is searched on its own. With stochastic rounding the sample's error is
+  one draw of the merge's rounding, not the whole merge's own draw; per-tensor int8's, the exact
+  expectation of its rounding (`quantized_rows.expected_round_rows`), its rows then left rounded to
+  nearest for the adapters measured after it.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from ..errors import NonFiniteMergeError
 from ..layer import quantized_rows as qrows
 from ..layer import weight_merge
+from . import factor_bounds as fb
 from .factor_bounds import Factors
 
 MAX_SAMPLE_ROWS = 1024
@@ -93,8 +96,9 @@ def _sq(t: torch.Tensor) -> float:
 
 
 def _absmax(t: torch.Tensor) -> float:
-    """The largest |value| of `t` (NaN if it holds one): two reductions in place, no |t| copy."""
-    return float(torch.maximum(t.amax(), t.amin().neg()))
+    """The largest |value| of `t` (NaN if it holds one): one reduction in place, no |t| copy."""
+    low, high = torch.aminmax(t)
+    return float(torch.maximum(high, -low))
 
 
 def _row_absmax(t: torch.Tensor, out: torch.Tensor) -> None:
@@ -183,14 +187,13 @@ class _QuantRows:
         self._held_d: dict = {}          # slot name -> its update on the held rows
         self._tops = None                # the chain's tops for `_rest`, from merge `_start` on (`_chained`);
         self._start, self._rest = 0, []  # None until a chain is searched, False where none can be
-        # the search screens blocks of this many columns: stored bytes per 64 columns, nvfp4's scale
-        # blocks, or whole rows of the base values
-        self._width = qrows.BYTE_BLOCK if self._elementwise else \
-            qrows.NVFP4_BLOCK if qrows.reads_blocks(self.q) else cols
+        # the search screens blocks of columns: the stored bytes' blocks (`quantized_rows.byte_blocks`),
+        # nvfp4's scale blocks of 16 adjacent columns, or whole rows of the base values
+        self._width = None if self._elementwise else qrows.NVFP4_BLOCK if qrows.reads_blocks(self.q) else cols
 
     def _factors(self, s) -> "Factors | None":
         if s.name not in self._known:
-            self._known[s.name] = Factors.of(s)
+            self._known[s.name] = Factors.of(s, self.q.device)
         return self._known[s.name]
 
     def _base(self, rows: torch.Tensor) -> torch.Tensor:
@@ -236,7 +239,7 @@ class _QuantRows:
         dense = rows.numel() * self.q.shape[1]  # the elements a dense search computes
         base = None
         if low_rank:
-            need = torch.stack([lows[j] - self._block_room(rows, room[j], up_norm[j], down_norm[j], self._width)
+            need = torch.stack([lows[j] - self._block_room(rows, room[j], up_norm[j], self._blocks_max(down_norm[j]))
                                 for j in range(len(rest))]).amin(dim=0)
             found, base = self._screen(rows, need, dense // SCREEN_COST)
             if found is not None:
@@ -249,18 +252,20 @@ class _QuantRows:
                 keep = (vals.abs() + bound >= low).any(dim=0)
                 r, c, vals = r[keep], c[keep], vals[keep]
                 if r.numel() * sum(f.rank for f in factors) <= dense * GATHER_COST:
-                    tops = []
-                    for i, f in enumerate(factors):
-                        vals = vals + f.at(r, c)
-                        j = i - len(self.merged)
-                        if j >= 0:
-                            tops.append(max(lows[j], float(vals.abs().amax())) if vals.numel() else lows[j])
-                    return tops, None
+                    return self._gathered_tops(r, c, vals, factors, lows), None
         if more:  # the rows that only a later slot's bounds let reach its floor come along too
             rows, base = torch.nonzero(hits.any(dim=0)).reshape(-1), None
         groups = [self.merged + rest[:1]] + [[p] for p in list(rest[1:]) + list(more)]
         tops, exact = self._dense_tops(rows, groups, list(lows) + list(more_lows), base)
         return tops, (rows, exact)
+
+    def _gathered_tops(self, r, c, vals, factors: list, lows: list[float]) -> list[float]:
+        """For each j, the larger of `lows[j]` and the largest |W + the merged updates + rest[:j + 1]'s| at
+        the elements (r, c) (base values `vals`), from the factors (`factor_bounds.updates_at`)."""
+        if not r.numel():
+            return list(lows)
+        sums = vals + fb.updates_at(factors)(r, c).cumsum(dim=0)[len(self.merged):]
+        return torch.maximum(torch.tensor(lows), sums.abs().amax(dim=1)).tolist()
 
     def _rows_reaching(self, rest: list, lows: list[float]):
         """(bool [j, out]: the rows outside the held ones whose base's largest value plus a bound of the
@@ -277,20 +282,23 @@ class _QuantRows:
             room = torch.minimum(room, up_norm * down_norm.amax(dim=1, keepdim=True))
         return ~self.held & (self.row_max + room >= torch.tensor(lows)[:, None]), room, up_norm, down_norm
 
+    def _blocks_max(self, v: torch.Tensor) -> torch.Tensor:
+        """Each screened block's largest entry of a non-negative per-column vector `v`."""
+        if self._width is None:
+            return qrows.blocks_max(v)
+        padded = v.new_zeros(-(-v.numel() // self._width) * self._width)
+        padded[:v.numel()] = v
+        return padded.reshape(-1, self._width).amax(dim=1)
+
     @staticmethod
-    def _block_room(rows, room, up_norm, down_norm, width: int) -> torch.Tensor:
-        """fp32 [len(rows), in / width (rounded up)]: a bound of the updates' sum's |value| in each
-        block of `width` columns of `rows`: the row's bound, or its up norm times the block's largest
-        down norm."""
-        cols = down_norm.numel()
-        padded = torch.zeros(-(-cols // width) * width)
-        padded[:cols] = down_norm
-        block = padded.reshape(-1, width).amax(dim=1)
-        return torch.minimum(room[rows][:, None], up_norm[rows][:, None] * block[None, :])
+    def _block_room(rows, room, up_norm, block_down) -> torch.Tensor:
+        """fp32 [len(rows), blocks]: a bound of the updates' sum's |value| in each screened block of
+        `rows`: the row's bound, or its up norm times the block's largest down norm (`block_down`)."""
+        return torch.minimum(room[rows][:, None], up_norm[rows][:, None] * block_down[None, :])
 
     def _screen(self, rows: torch.Tensor, need: torch.Tensor, limit: int, read=None):
         """((rows, cols, fp32 values) of the elements of `rows` whose |value| is at least `need` (one per
-        row, or per row and block of `_width` columns), or None past `limit` of them; the rows' values
+        row, or per row and screened block), or None past `limit` of them; the rows' values
         where they were read whole, else None). `read`: the rows' values, if already read."""
         need = need.reshape(rows.numel(), -1).cpu()
         if self._elementwise:  # the stored bytes, only the blocks whose largest byte reaches `need`
@@ -438,10 +446,9 @@ class _QuantRows:
         rest = [p for p in self.chain[at:] if all(p is not m for m in self.merged)]
         if not rest or None in (self._factors(p) for p in rest):
             return None
-        summed, lows = self.summed, []
+        summed, lows = self.summed.clone(), []
         for p in rest:
-            summed = summed + self._held_delta(p)
-            lows.append(_absmax(summed))
+            lows.append(_absmax(summed.add_(self._held_delta(p))))
         return rest, lows
 
     def _chained(self, s) -> float | None:
@@ -477,12 +484,15 @@ class _QuantRows:
             top = tops[0]
         exact_rows = self.cur + d
         amax = torch.tensor(top)
-        rounded = qrows.grid_round_rows(self.q, exact_rows, amax, self.seed)
-        return self._sums(exact_rows, rounded, d, name) + ((rounded, amax, s, b, exact, summed),)
+        if qrows.expected_rounding(self.q, self.seed):
+            rounded, e = qrows.expected_round_rows(exact_rows, amax, self.measured)
+        else:
+            rounded = qrows.grid_round_rows(self.q, exact_rows, amax, self.seed)
+            e = _sq(rounded[self.measured] - exact_rows[self.measured])
+        return self._sums(e, exact_rows, rounded, d, name) + ((rounded, amax, s, b, exact, summed),)
 
-    def _sums(self, exact, rounded, d, name: str) -> tuple[float, float]:
+    def _sums(self, e: float, exact, rounded, d, name: str) -> tuple[float, float]:
         m = self.measured
-        e = _sq(rounded[m] - exact[m])
         _finite_check(e, rounded, self.cur, exact, name, self.w.layer_name, None)
         k = self.row_max.numel() / exact[m].shape[0]  # rows per measured row
         return e * k, _sq(d[m]) * k

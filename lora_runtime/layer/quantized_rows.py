@@ -9,13 +9,20 @@ Contract
   is `amax` leaves in the rows `exact` holds: the rows are re-quantized together with one extra row
   holding `amax`, so the layout's recalculated scale is the whole merge's. Round to nearest (seed 0):
   bit for bit the rows of the whole merge; stochastic (seed > 0): the same grid, other random draws.
+- `expected_rounding(w, seed)`: the per-tensor int8 layout rounding stochastically (floor(v / s + u), u
+  uniform in [0, 1)): then `expected_round_rows(exact, amax, measured)` gives, on that grid, the rows
+  rounded to nearest (the layout's own rounding without a seed, bit for bit) and the exact expected
+  sum of squared errors of the stochastic rounding over rows `measured`: s^2 f (1 - f) per element,
+  f the fraction of v / s past its floor. No random draw.
 - `elementwise(w)`: the layout dequantizes as stored value times one scalar scale (per-tensor fp8,
   int8 without rotation): then `dequantized_rows(w, rows)` reads only those rows (bit for bit the
   rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
   from the stored bytes, exactly, without dequantizing; `elements_at_least(w, t, limit, rows, blocks)`
-  finds the elements whose |value| is at least `t` (per row, or per block of BYTE_BLOCK columns) the
-  same way, reading only `rows` when given (None past `limit` of them), and with `stored_blocks(w)`,
-  each block's largest stored magnitude, only the blocks that can hold one; `dequantized_at(w, rows,
+  finds the elements whose |value| is at least `t` (per row, or per byte block) the same way, reading
+  only `rows` when given (None past `limit` of them), and with `stored_blocks(w)`, each block's
+  largest stored magnitude, only the blocks that can hold one. A row's `byte_blocks(in)` blocks are
+  strided: block b holds columns b, b + n, b + 2n, ... (at most BYTE_BLOCK of them; `block_of(in)`
+  maps each column to its block, `blocks_max(v)` takes a per-column vector's maxima per block); `dequantized_at(w, rows,
   cols)` reads them; `linear_scale(w, value_table(w))`, where the layout's values are each code times
   its scale in fp32, lets `dequantized_rows` read rows as that multiply, bit for bit.
 - `row_local(w)`: the row-wise layouts with no scale spanning the tensor (mxfp8, the 4-bit ones):
@@ -173,8 +180,10 @@ def dequantized_blocks(w, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Ten
     return dequantized(w._copy_with(qdata=q, params=params))[:, :NVFP4_BLOCK]
 
 
-# the byte screen's block: the largest magnitude byte of each run of BYTE_BLOCK columns is kept, so a
-# screen compares 1/BYTE_BLOCK of the bytes and reads only the blocks that can hold a hit
+# the byte screen's block: the largest magnitude byte of each block of at most BYTE_BLOCK columns of a
+# row is kept, so a screen compares 1/BYTE_BLOCK of the bytes and reads only the blocks that can hold a
+# hit. A block's columns are strided (b, b + n, ...): its maxima are elementwise maxima of contiguous
+# runs of columns, which vectorize, where a maximum over a short run of adjacent bytes does not
 BYTE_BLOCK = 64
 # ... while at most 1/BLOCK_READ_SHARE of the blocks reach it; past that, reading the rows whole in
 # place costs less than gathering blocks
@@ -185,28 +194,50 @@ SPARSE_WORDS = 5
 
 
 def _magnitudes(q: torch.Tensor) -> torch.Tensor:
-    """uint8 bytes of stored data `q` (fp8 or int8) that order like its |values| (int8: |-128| is 128)."""
+    """uint8 bytes of stored data `q` (fp8 or int8) that order like its |values| (int8: |-128| is 128):
+    a copy."""
     if q.dtype in _FP8_DTYPES:
         return q.view(torch.uint8) & 0x7F
     return q.abs().view(torch.uint8)
 
 
+def byte_blocks(cols: int) -> int:
+    """The byte blocks of a row of `cols` columns: block b holds columns b, b + n, b + 2n, ... (n blocks)."""
+    return -(-cols // BYTE_BLOCK)
+
+
+def block_of(cols: int) -> torch.Tensor:
+    """int64 [cols]: each column's byte block."""
+    return torch.arange(cols) % byte_blocks(cols)
+
+
+def blocks_max(v: torch.Tensor) -> torch.Tensor:
+    """[byte_blocks(len(v))]: each byte block's largest entry of a non-negative per-column vector `v`."""
+    cols = v.numel()
+    n = byte_blocks(cols)
+    padded = v.new_zeros(-(-cols // n) * n)
+    padded[:cols] = v
+    return padded.reshape(-1, n).amax(dim=0)
+
+
 @torch.no_grad()
 def stored_blocks(w) -> torch.Tensor:
-    """uint8 [out, ceil(in / BYTE_BLOCK)]: each block's largest magnitude byte of an `elementwise`
+    """uint8 [out, byte_blocks(in)]: each byte block's largest magnitude byte of an `elementwise`
     weight (the index `elements_at_least` and `stored_row_absmax` read instead of every byte)."""
     mag = _magnitudes(w._qdata)
     n, cols = mag.shape
-    full = cols // BYTE_BLOCK
-    out = torch.empty((n, -(-cols // BYTE_BLOCK)), dtype=torch.uint8, device=mag.device)
-    runs = mag[:, : full * BYTE_BLOCK].unflatten(1, (full, BYTE_BLOCK))
-    width = BYTE_BLOCK
-    while width > 1:  # halves folded together: a uint8 max over a short inner run is not vectorized
-        width //= 2
-        runs = torch.maximum(runs[..., :width], runs[..., width:2 * width])
-    out[:, :full] = runs[..., 0]
-    if full < out.shape[1]:
-        out[:, full] = mag[:, full * BYTE_BLOCK:].amax(dim=1)
+    nb = byte_blocks(cols)
+    runs = mag[:, : cols // nb * nb].unflatten(1, (cols // nb, nb))  # [out, runs, block]
+    while runs.shape[1] > 1:  # halves of the runs folded together in place (`mag` is a copy), an odd last into the first
+        half = runs.shape[1] // 2
+        if runs.shape[1] % 2:
+            torch.maximum(runs[:, 0], runs[:, -1], out=runs[:, 0])
+        torch.maximum(runs[:, :half], runs[:, half:2 * half], out=runs[:, :half])
+        runs = runs[:, :half]
+    out = runs[:, 0].contiguous()
+    rest = cols - cols // nb * nb  # the first `rest` blocks hold one more column
+    if rest:
+        torch.maximum(out[:, :rest], mag[:, cols - rest:], out=out[:, :rest])
     return out
 
 
@@ -236,7 +267,7 @@ def _least_bytes(w, t: torch.Tensor) -> torch.Tensor:
 def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None,
                       blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, cols) in row-major order of the elements of an `elementwise` weight whose |value| is at
-    least `t` (a float, one per row of `rows`, or one per row and block of BYTE_BLOCK columns), among
+    least `t` (a float, one per row of `rows`, or one per row and byte block), among
     `rows` (default: every row; only those are read); None when they are more than `limit` (where
     per-block thresholds are read row by row: when the rows' lowest find more). With the weight's
     `stored_blocks`, only the blocks whose largest byte reaches `t` are read, while they are few."""
@@ -275,7 +306,7 @@ def elements_at_least(w, t, limit: int, rows: torch.Tensor | None = None,
             inverse[rows.cpu()] = torch.arange(rows.numel())
             place = inverse[r]
         mag = _magnitudes(q[r.to(q.device), cols.to(q.device)]).cpu()
-        keep = mag >= _least_bytes(w, per_block[place, cols // BYTE_BLOCK])
+        keep = mag >= _least_bytes(w, per_block[place, cols % byte_blocks(q.shape[1])])
         r, cols = r[keep], cols[keep]
     return r, cols
 
@@ -302,18 +333,22 @@ def _sparse_nonzero(mask: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch
 
 
 def _block_hits(q: torch.Tensor, hit: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None):
-    """(rows, cols) of the elements reaching their block's byte `k` inside the blocks `hit` marks."""
+    """(rows, cols) in row-major order of the elements reaching their block's byte `k` inside the byte
+    blocks `hit` marks."""
     i, blk = torch.nonzero(hit, as_tuple=True)
     r = i if rows is None else rows.to(q.device)[i]
     n, cols = q.shape
-    if cols % BYTE_BLOCK == 0:  # whole blocks: each read as one 64-byte run
-        mag, inside = _magnitudes(q.view(n, cols // BYTE_BLOCK, BYTE_BLOCK)[r, blk]), None
-    else:  # the last block is short: its columns past the end are read clamped and masked out
-        at = blk[:, None] * BYTE_BLOCK + torch.arange(BYTE_BLOCK, device=q.device)
+    nb = byte_blocks(cols)
+    if cols % nb == 0:  # every block holds cols / nb columns: read through a [out, runs, block] view
+        mag, inside = _magnitudes(q.view(n, cols // nb, nb)[r, :, blk]), None
+    else:  # the last columns of some blocks lie past the end: read clamped and masked out
+        at = blk[:, None] + nb * torch.arange(-(-cols // nb), device=q.device)
         mag, inside = _magnitudes(q[r[:, None], at.clamp(max=cols - 1)]), at < cols
     reach = mag >= k[i, blk][:, None].expand(mag.shape).contiguous()
     h, j = torch.nonzero(reach if inside is None else reach & inside, as_tuple=True)
-    return r[h].cpu(), (blk[h] * BYTE_BLOCK + j).cpu()
+    r, c = r[h].cpu(), (blk[h] + nb * j).cpu()
+    order = torch.argsort(r * cols + c)
+    return r[order], c[order]
 
 
 @torch.no_grad()
@@ -346,6 +381,28 @@ def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor, table: torch.Tenso
     if table is not None:
         return table[q.view(torch.uint8).long()]
     return _dequantized_data(w, q.reshape(1, -1)).reshape(-1)
+
+
+def expected_rounding(w, seed: int) -> bool:
+    """Does a merge into `w` with `seed` round stochastically as `expected_round_rows` models it?"""
+    return bool(seed) and quant_layout(w) == "TensorWiseINT8Layout" and elementwise(w)
+
+
+INT8_MAX = 127.0  # the per-tensor int8 layout's scale: the largest |value| / 127, at least 1e-30
+
+
+@torch.no_grad()
+def expected_round_rows(exact: torch.Tensor, amax: torch.Tensor, measured=slice(None)) -> tuple[torch.Tensor, float]:
+    """(fp32 rows `exact` rounded to nearest on the per-tensor int8 grid of a whole merge whose largest
+    |value| is `amax`; the expected sum of squared errors of that layout's stochastic rounding over
+    rows `measured`, each element's s^2 f (1 - f))."""
+    low, high = torch.aminmax(exact)
+    scale = (torch.maximum(amax.to(exact.device, torch.float32), torch.maximum(high, -low)) / INT8_MAX).clamp(min=1e-30)
+    v = (exact / scale).clamp_(-128.0, 127.0)
+    rounded = torch.round(v)
+    # f (1 - f) with f = v - floor(v) is g (1 - g) with g = |v - round(v)|: sum g - sum g^2
+    g = v[measured].sub_(rounded[measured]).abs_().reshape(-1)
+    return rounded.mul_(scale), (float(g.sum()) - float(torch.dot(g, g))) * float(scale) ** 2
 
 
 @torch.no_grad()

@@ -376,6 +376,30 @@ def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
     assert every > 0.01  # the wrong answer (no adapter, or no rounding) is 0
 
 
+def test_int8_stochastic_merges_are_measured_by_their_expected_error(monkeypatch):
+    """Per-tensor int8 merged with the host's stochastic rounding: the share measured over every row
+    (the expected error of that rounding) is the share an actual merge of the whole weight loses, to
+    0.5 %: one draw's sum over 131k errors is off its expectation by about 0.3 %, the share by half
+    that. Rounding to nearest (seed 0), the same rows, bit for bit. Wrong answers: the share a
+    round-to-nearest merge loses (about 1/sqrt(2) of it), and none."""
+    monkeypatch.setattr(estimate, "SAMPLE_ELEMENTS", ROWS * COLS)
+    monkeypatch.setattr(estimate, "SAMPLE_SHARE", 1)
+    shares = {}
+    for seed in (0, 11):
+        w = _layer("TensorWiseINT8Layout", seed=seed)
+        before, d = w.weight2d.clone(), w.delta_rows(slice(None), [w.slots["a0"]])
+        measured = decide(MergeMode.AUTO, [w], DecisionCache()).adapters[0].share_lost
+        w.merge()
+        actual = float((w.weight2d - before - d).norm() / d.norm())
+        w.unmerge()
+        assert torch.equal(w.weight2d, before)
+        shares[seed] = (measured, actual)
+    assert shares[0][0] == pytest.approx(shares[0][1], rel=1e-6)  # the fp32 sums' order
+    measured, actual = shares[11]
+    assert measured == pytest.approx(actual, rel=0.005)
+    assert measured > 1.3 * shares[0][1] > 0.01  # the wrong answer: the round-to-nearest merge's share
+
+
 @pytest.mark.parametrize("layout", ["TensorCoreFP8Layout", "TensorWiseINT8Layout", "TensorCoreMXFP8Layout",
                                     "TensorCoreNVFP4Layout"])
 def test_per_tensor_layouts_never_read_the_whole_weight(layout, monkeypatch):

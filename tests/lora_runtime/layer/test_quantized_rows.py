@@ -131,19 +131,24 @@ def test_rows_read_as_one_multiply_are_the_layouts_own(layout):
 @pytest.mark.parametrize("cols", [256, 200])  # whole 64-byte blocks, and a short last block
 @pytest.mark.parametrize("layout", ELEMENTWISE)
 def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeypatch):
-    """The block index (each 64-column block's largest stored magnitude) finds the same elements as
-    reading every byte, for one threshold, one per row and one per row and block, by reading the
-    hit blocks alone or the rows whole. Reference: the dequantized weight's |values| against the
-    thresholds; wrong answer: the rows' lowest threshold applied to every block."""
+    """The block index (each byte block's largest stored magnitude: at most 64 strided columns) finds
+    the same elements as reading every byte, for one threshold, one per row and one per row and
+    block, by reading the hit blocks alone or the rows whole, in row-major order. Reference: the
+    dequantized weight's |values| against the thresholds; wrong answer: the rows' lowest threshold
+    applied to every block."""
     q = _weight(layout, cols)
     full = dequantized(q)
     blocks = qr.stored_blocks(q)
-    nblk = -(-cols // qr.BYTE_BLOCK)
-    padded = torch.zeros(full.shape[0], nblk * qr.BYTE_BLOCK)
-    padded[:, :cols] = full.abs()
+    nblk, of = qr.byte_blocks(cols), qr.block_of(cols)
+    assert nblk == -(-cols // qr.BYTE_BLOCK) and int(torch.bincount(of).max()) <= qr.BYTE_BLOCK
+    top = torch.zeros(full.shape[0], nblk).scatter_reduce(1, of.expand(full.shape), full.abs(), "amax")
+    contiguous = torch.zeros(full.shape[0], nblk * qr.BYTE_BLOCK)
+    contiguous[:, :cols] = full.abs()
     assert torch.equal(qr.stored_row_absmax(q, blocks), full.abs().amax(dim=1))
-    assert torch.equal(qr.stored_row_absmax(q, blocks[:, :1]), full[:, :64].abs().amax(dim=1))  # wrong: one block
-    top = padded.reshape(full.shape[0], nblk, -1).amax(dim=2)  # each block's largest |value|
+    assert torch.equal(qr.stored_row_absmax(q, blocks[:, :1]), top[:, 0])  # wrong: one block
+    assert not torch.equal(qr.stored_row_absmax(q, blocks[:, :1]), full.abs().amax(dim=1))
+    assert torch.equal(qr.blocks_max(full[7].abs()), top[7])
+    assert not torch.equal(top, contiguous.reshape(full.shape[0], nblk, -1).amax(dim=2))  # wrong: adjacent columns
     if layout == "TensorWiseINT8Layout":
         assert torch.equal(blocks.float() * q._params.scale.float(), top)
     t = float(full.abs().flatten().kthvalue(full.numel() - 200).values)
@@ -157,13 +162,33 @@ def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeyp
             got = qr.elements_at_least(q, thr, 10 ** 6, sel, blocks)
             sub = full.abs() if sel is None else full[sel].abs()
             tt = torch.as_tensor(thr, dtype=torch.float32)
-            need = tt.repeat_interleave(qr.BYTE_BLOCK, dim=1)[:, :cols] if tt.dim() == 2 else tt.reshape(-1, 1)
+            need = tt[:, of] if tt.dim() == 2 else tt.reshape(-1, 1)
             r, c = torch.nonzero(sub >= need, as_tuple=True)
             want = (r if sel is None else sel[r], c)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and 0 < r.numel() < sub.numel() // 10
             assert qr.elements_at_least(q, thr, r.numel() - 1, sel, blocks) is None
         lowest = qr.elements_at_least(q, per_block.amin(dim=1), 10 ** 6, rows, blocks)
         assert lowest[0].numel() > got[0].numel()  # the wrong answer finds more
+
+
+def test_int8_stochastic_rounding_is_measured_as_its_expectation():
+    """Per-tensor int8 merged with stochastic rounding: the rows left rounded to nearest on the whole
+    merge's grid (the layout's own rounding without a seed, bit for bit), and the expected squared
+    error of its stochastic rounding, against the mean of 400 of the layout's own seeded draws (to 4
+    standard errors of that mean). Wrong answer: the round-to-nearest error (about half as large)."""
+    q = _weight("TensorWiseINT8Layout")
+    assert qr.expected_rounding(q, 5) and not qr.expected_rounding(q, 0)
+    assert not qr.expected_rounding(_weight("TensorCoreFP8Layout"), 5)  # fp8's draws are not modelled
+    g = torch.Generator().manual_seed(6)
+    exact, amax = torch.randn(40, 256, generator=g), torch.tensor(9.5)
+    measured = slice(0, 30)
+    rounded, e = qr.expected_round_rows(exact, amax, measured)
+    assert torch.equal(rounded, qr.grid_round_rows(q, exact, amax, 0))
+    draws = torch.tensor([float((qr.grid_round_rows(q, exact, amax, s)[measured] - exact[measured]).square().sum())
+                          for s in range(1, 401)], dtype=torch.float64)
+    assert abs(e - float(draws.mean())) <= 4 * float(draws.std()) / 400 ** 0.5
+    nearest = float((rounded[measured] - exact[measured]).square().sum())
+    assert e > 1.5 * nearest
 
 
 @pytest.mark.parametrize("share", [0.0005, 0.01, 0.2, 0.6])
