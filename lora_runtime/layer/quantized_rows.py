@@ -384,8 +384,19 @@ def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor, table: torch.Tenso
 
 
 def expected_rounding(w, seed: int) -> bool:
-    """Does a merge into `w` with `seed` round stochastically as `expected_round_rows` models it?"""
-    return bool(seed) and quant_layout(w) == "TensorWiseINT8Layout" and elementwise(w)
+    """Does a merge into `w` with `seed` round stochastically as `expected_round_rows` models it (a
+    per-tensor weight of comfy-kitchen's own int8 layout class, not a host's replacement)?"""
+    if not seed or quant_layout(w) != "TensorWiseINT8Layout" or not elementwise(w):
+        return False
+    layout = w._layout_cls
+    if isinstance(layout, str):
+        try:
+            from comfy_kitchen.tensor import get_layout_class
+            layout = get_layout_class(layout)
+        except (ImportError, KeyError):
+            return False
+    quantize = getattr(layout, "quantize", None)
+    return getattr(getattr(quantize, "__func__", quantize), "__module__", "") == "comfy_kitchen.tensor.int8"
 
 
 INT8_MAX = 127.0  # the per-tensor int8 layout's scale: the largest |value| / 127, at least 1e-30

@@ -171,7 +171,7 @@ def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeyp
         assert lowest[0].numel() > got[0].numel()  # the wrong answer finds more
 
 
-def test_int8_stochastic_rounding_is_measured_as_its_expectation():
+def test_int8_stochastic_rounding_is_measured_as_its_expectation(monkeypatch):
     """Per-tensor int8 merged with stochastic rounding: the rows left rounded to nearest on the whole
     merge's grid (the layout's own rounding without a seed, bit for bit), and the expected squared
     error of its stochastic rounding, against the mean of 400 of the layout's own seeded draws (to 4
@@ -179,6 +179,12 @@ def test_int8_stochastic_rounding_is_measured_as_its_expectation():
     q = _weight("TensorWiseINT8Layout")
     assert qr.expected_rounding(q, 5) and not qr.expected_rounding(q, 0)
     assert not qr.expected_rounding(_weight("TensorCoreFP8Layout"), 5)  # fp8's draws are not modelled
+    import comfy_kitchen.tensor as ck_tensor
+    kitchen = ck_tensor.get_layout_class("TensorWiseINT8Layout")
+    replaced = type("TensorWiseINT8Layout", (kitchen,), {"quantize": classmethod(lambda cls, t, **kw: None)})
+    with monkeypatch.context() as m:  # a host's own int8 class: its rounding is not known
+        m.setattr(ck_tensor, "get_layout_class", lambda name: replaced)
+        assert not qr.expected_rounding(q, 5)
     g = torch.Generator().manual_seed(6)
     exact, amax = torch.randn(40, 256, generator=g), torch.tensor(9.5)
     measured = slice(0, 30)
