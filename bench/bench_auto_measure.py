@@ -3,6 +3,7 @@
     python bench/bench_auto_measure.py                 # one Wan-1.3B block's linears, rank 32, every form
     python bench/bench_auto_measure.py --forms fp8 --adapters 1
     python bench/bench_auto_measure.py --smoke         # tiny dims (CI)
+    python bench/bench_auto_measure.py --forms int8 --adapters 4 --auto-only 15   # the measurement alone
 
 Forms: bf16, and the host-quantized layouts ComfyUI loads (comfy-kitchen ``QuantizedTensor``, merged
 as ComfyUI merges them: re-quantized with the scale recalculated and stochastic rounding seeded per
@@ -82,6 +83,9 @@ def main() -> None:
     ap.add_argument("--size", type=float, default=0.02, help="std of the random LoRA factors")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--auto-only", type=int, default=0, metavar="N",
+                    help="time only the measurement, best and median of N (two code versions compare here: the merge's "
+                         "own time swings between runs)")
     a = ap.parse_args()
     if a.smoke:
         a.dims, a.rank, a.repeats, a.adapters = "64,128", 4, 1, "1,2"
@@ -98,12 +102,18 @@ def main() -> None:
     worst = 0.0
     for form in forms:
         for k in (int(v) for v in a.adapters.split(",")):
-            t_auto, t_merge, t_restore, d = measure(layers(dim, ffn, a.rank, form, k, a.size), a.repeats)
+            ws = layers(dim, ffn, a.rank, form, k, a.size)
+            if a.auto_only:
+                ts = sorted(best(lambda: decide(MergeMode.AUTO, ws, DecisionCache()), 1) for _ in range(a.auto_only))
+                print(f"{form} x{k}: auto measurement best {ts[0] * 1e3:.1f} ms, median {ts[len(ts) // 2] * 1e3:.1f} ms")
+                continue
+            t_auto, t_merge, t_restore, d = measure(ws, a.repeats)
             chosen = ", ".join(f"{x.chosen} {x.share_lost:.0%}" for x in d.adapters)
             print(f"{form} x{k}: auto measurement {t_auto * 1e3:.1f} ms, merge {t_merge * 1e3:.1f} ms, "
                   f"restore {t_restore * 1e3:.1f} ms, ratio {t_auto / t_merge:.3f} ({chosen})")
             worst = max(worst, t_auto / t_merge)
-    print(f"auto measurement / merge: {worst:.3f}")
+    if not a.auto_only:
+        print(f"auto measurement / merge: {worst:.3f}")
 
 
 if __name__ == "__main__":
