@@ -25,9 +25,9 @@ Contract
   fp8 / int8) one search finds that value for every adapter still to be measured, in the order given
   (`order`), each assumed merged after the last; it serves while the merges follow that order, and an
   adapter measured off it is searched on its own. With stochastic rounding the sample's error is
-  one draw of the merge's rounding, not the whole merge's own draw; per-tensor int8's, the exact
-  expectation of its rounding (`quantized_rows.expected_round_rows`), its rows then left rounded to
-  nearest for the adapters measured after it.
+  one draw of the merge's rounding, not the whole merge's own draw; where that rounding is known
+  exactly (per-tensor int8, the host's fp8 byte draws: `quantized_rows.expected_rounding`), the exact
+  expectation of its error, its rows then left rounded to nearest for the adapters measured after it.
 - Any other quantized weight: every row, re-quantized whole (`AdaptedLayer.grid_round`).
 """
 from __future__ import annotations
@@ -484,8 +484,9 @@ class _QuantRows:
             top = tops[0]
         exact_rows = self.cur + d
         amax = torch.tensor(top)
-        if qrows.expected_rounding(self.q, self.seed):
-            rounded, e = qrows.expected_round_rows(exact_rows, amax, self.measured)
+        expected = qrows.expected_rounding(self.q, self.seed)
+        if expected is not None:
+            rounded, e = expected(exact_rows, amax, self.measured)
         else:
             rounded = qrows.grid_round_rows(self.q, exact_rows, amax, self.seed)
             e = _sq(rounded[self.measured] - exact_rows[self.measured])

@@ -9,11 +9,13 @@ Contract
   is `amax` leaves in the rows `exact` holds: the rows are re-quantized together with one extra row
   holding `amax`, so the layout's recalculated scale is the whole merge's. Round to nearest (seed 0):
   bit for bit the rows of the whole merge; stochastic (seed > 0): the same grid, other random draws.
-- `expected_rounding(w, seed)`: the per-tensor int8 layout rounding stochastically (floor(v / s + u), u
-  uniform in [0, 1)): then `expected_round_rows(exact, amax, measured)` gives, on that grid, the rows
-  rounded to nearest (the layout's own rounding without a seed, bit for bit) and the exact expected
-  sum of squared errors of the stochastic rounding over rows `measured`: s^2 f (1 - f) per element,
-  f the fraction of v / s past its floor. No random draw.
+- `expected_rounding(w, seed)`: where a merge into `w` with `seed` rounds stochastically in a way known
+  exactly, a function `(exact, amax, measured) -> (rows, e)`: on the whole merge's grid (largest
+  |value| `amax`), the rows `exact` rounded to nearest (the layout's own rounding without a seed, bit
+  for bit) and the exact expected sum of squared errors of the stochastic rounding over rows
+  `measured`. No random draw. Per-tensor int8 (comfy-kitchen's class: floor(v / s + u), u uniform in
+  [0, 1)): `expected_round_rows`, s^2 f (1 - f) per element, f the fraction of v / s past its floor;
+  per-tensor fp8 (the host's byte draws): `fp8_rounding`. None otherwise.
 - `elementwise(w)`: the layout dequantizes as stored value times one scalar scale (per-tensor fp8,
   int8 without rotation): then `dequantized_rows(w, rows)` reads only those rows (bit for bit the
   rows of the whole dequantization) and `stored_row_absmax(w)` reads each row's largest ``|value|``
@@ -36,9 +38,11 @@ Contract
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
+from . import fp8_rounding
 from .base_weight import dequantized, quant_layout
 
 _FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
@@ -383,20 +387,25 @@ def dequantized_at(w, rows: torch.Tensor, cols: torch.Tensor, table: torch.Tenso
     return _dequantized_data(w, q.reshape(1, -1)).reshape(-1)
 
 
-def expected_rounding(w, seed: int) -> bool:
-    """Does a merge into `w` with `seed` round stochastically as `expected_round_rows` models it (a
-    per-tensor weight of comfy-kitchen's own int8 layout class, not a host's replacement)?"""
-    if not seed or quant_layout(w) != "TensorWiseINT8Layout" or not elementwise(w):
-        return False
+def expected_rounding(w, seed: int):
+    """The exact expected-error model of a merge into `w` with `seed` (see the module's contract), or None."""
+    if not seed or not elementwise(w):
+        return None
+    if quant_layout(w) in _FP8_LAYOUTS:
+        table = fp8_rounding.model_for(w, seed)
+        return None if table is None else functools.partial(fp8_rounding.expected_round_rows, w, table)
+    if quant_layout(w) != "TensorWiseINT8Layout":
+        return None
     layout = w._layout_cls
     if isinstance(layout, str):
         try:
             from comfy_kitchen.tensor import get_layout_class
             layout = get_layout_class(layout)
         except (ImportError, KeyError):
-            return False
+            return None
     quantize = getattr(layout, "quantize", None)
-    return getattr(getattr(quantize, "__func__", quantize), "__module__", "") == "comfy_kitchen.tensor.int8"
+    ours = getattr(getattr(quantize, "__func__", quantize), "__module__", "") == "comfy_kitchen.tensor.int8"
+    return expected_round_rows if ours else None
 
 
 INT8_MAX = 127.0  # the per-tensor int8 layout's scale: the largest |value| / 127, at least 1e-30

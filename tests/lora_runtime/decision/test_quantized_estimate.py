@@ -376,17 +376,19 @@ def test_the_sampled_share_is_every_rows_share(layout, monkeypatch):
     assert every > 0.01  # the wrong answer (no adapter, or no rounding) is 0
 
 
-def test_int8_stochastic_merges_are_measured_by_their_expected_error(monkeypatch):
-    """Per-tensor int8 merged with the host's stochastic rounding: the share measured over every row
-    (the expected error of that rounding) is the share an actual merge of the whole weight loses, to
-    0.5 %: one draw's sum over 131k errors is off its expectation by about 0.3 %, the share by half
-    that. Rounding to nearest (seed 0), the same rows, bit for bit. Wrong answers: the share a
-    round-to-nearest merge loses (about 1/sqrt(2) of it), and none."""
+@pytest.mark.parametrize("layout", ["TensorWiseINT8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout"])
+def test_stochastic_merges_are_measured_by_their_expected_error(layout, monkeypatch):
+    """Per-tensor int8 and fp8 merged with the host's stochastic rounding: the share measured over
+    every row (the exact expected error of that rounding, no draw) is the share an actual merge of the
+    whole weight loses, to 0.5 %: one draw's sum over 131k errors is off its expectation by about
+    0.3 %, the share by half that. Rounding to nearest (seed 0), the same rows, bit for bit. Wrong
+    answers: the share a round-to-nearest merge loses (about 1/sqrt(2) of it), and none."""
     monkeypatch.setattr(estimate, "SAMPLE_ELEMENTS", ROWS * COLS)
     monkeypatch.setattr(estimate, "SAMPLE_SHARE", 1)
     shares = {}
     for seed in (0, 11):
-        w = _layer("TensorWiseINT8Layout", seed=seed)
+        w = _layer(layout, seed=seed)
+        assert (quantized_rows.expected_rounding(w.get_base_layer().weight, seed) is None) == (seed == 0)
         before, d = w.weight2d.clone(), w.delta_rows(slice(None), [w.slots["a0"]])
         measured = decide(MergeMode.AUTO, [w], DecisionCache()).adapters[0].share_lost
         w.merge()

@@ -1,0 +1,97 @@
+"""The host's stochastic fp8 rounding, read as an exact table (`layer/fp8_rounding.py`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+ck = pytest.importorskip("comfy_kitchen")
+
+from comfyui_lora_runtime.standalone.host import quant_formats  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer import fp8_rounding as fr  # noqa: E402
+from comfyui_lora_runtime.lora_runtime.layer import quantized_rows as qr  # noqa: E402
+
+HOST_FP8 = {"TensorCoreFP8E4M3Layout": torch.float8_e4m3fn, "TensorCoreFP8E5M2Layout": torch.float8_e5m2}
+
+
+def _weight(layout: str):
+    quant_formats.require_comfy_kitchen()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 256, generator=g)
+    w[150, 9] = 9.0
+    return quant_formats._quantized_tensor_class().from_float(w, layout, scale="recalculate")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_table_is_the_kitchens_rounding_for_every_half_and_every_byte(dtype):
+    """Every finite float16 value with every one of the 256 bytes: the table's outcome is the kitchen's
+    `stochastic_rounding_fp8`, bit for bit (16.7 M cases; NaN where the kitchen gives NaN: float16
+    values past e5m2's largest, which no merge's scaled values reach), and its odds are the count of
+    bytes that draw the high outcome. Wrong answer: a table whose first high byte is one later."""
+    table = fr.rounding_table(dtype)
+    h = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.float16).copy())
+    h = h[h.isfinite()]
+    ups = torch.zeros(h.numel(), dtype=torch.int32)
+    for k in range(256):
+        byte = torch.full(h.shape, k, dtype=torch.uint8)
+        got = ck.stochastic_rounding_fp8(h, byte, dtype).float()
+        want = table.draw(h.float(), byte)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan()), k
+        ups += (got != table.low[table.index(h.float())]).int()
+    i = table.index(h.float())
+    real = ~table.low[i].isnan()
+    assert int((~real).sum()) == (10 if dtype == torch.float8_e5m2 else 0)
+    assert torch.equal(table.p_high[i][real], ups[real].float() / 256)
+    late = dataclasses.replace(table, k_min=table.k_min + 1)
+    byte = 255 - (torch.arange(h.numel()) % 256).to(torch.uint8)
+    assert not torch.equal(late.draw(h.float(), byte), ck.stochastic_rounding_fp8(h, byte, dtype).float())
+
+
+def test_only_a_layout_that_draws_as_the_table_predicts_is_modelled(monkeypatch):
+    """The host's fp8 layouts (ComfyUI's: bytes from a seeded generator, the kitchen's rounding) are
+    modelled; comfy-kitchen's own fp8 class (it ignores the seed: rounds to nearest), no seed, and a
+    host class whose seeded rounding draws otherwise (a float draw per element) are not."""
+    for layout in HOST_FP8:
+        assert fr.model_for(_weight(layout), 5) is not None
+        assert qr.expected_rounding(_weight(layout), 5) is not None
+        assert qr.expected_rounding(_weight(layout), 0) is None
+    assert qr.expected_rounding(_weight("TensorCoreFP8Layout"), 5) is None
+    import comfy_kitchen.tensor.base as ck_base
+    base = ck_base.get_layout_class("TensorCoreFP8E4M3Layout")
+
+    def quantize(cls, tensor, scale=None, stochastic_rounding=0, **kw):
+        scale = tensor.abs().amax().float() / 448.0
+        g = torch.Generator().manual_seed(int(stochastic_rounding))
+        x = (tensor / scale).half()
+        noise = (torch.rand(x.shape, generator=g) - 0.5).half() / 8
+        return (x + noise * x.abs()).float().clamp(-448, 448).to(torch.float8_e4m3fn), cls.Params(
+            scale=scale, orig_dtype=tensor.dtype, orig_shape=tuple(tensor.shape))
+
+    other = type("OtherFP8Layout", (base,), {"quantize": classmethod(quantize)})
+    monkeypatch.setitem(ck_base.LAYOUTS, "OtherFP8Layout", other)
+    monkeypatch.setattr(fr, "_MODELS", {})
+    q = _weight("TensorCoreFP8E4M3Layout")
+    assert fr.model_for(type(q)(q._qdata, "OtherFP8Layout", q._params), 5) is None
+    assert fr.model_for(q, 5) is not None
+
+
+@pytest.mark.parametrize("layout", list(HOST_FP8))
+def test_fp8_stochastic_rounding_is_measured_as_its_expectation(layout):
+    """Per-tensor fp8 merged with the host's stochastic rounding: the rows left rounded to nearest on
+    the whole merge's grid (the layout's own rounding without a seed, bit for bit), and the expected
+    squared error of its stochastic rounding, against the mean of 400 of the layout's own seeded draws
+    (to 4 standard errors of that mean). Wrong answer: the round-to-nearest error (about half)."""
+    q = _weight(layout)
+    expected = qr.expected_rounding(q, 5)
+    g = torch.Generator().manual_seed(6)
+    exact, amax = torch.randn(40, 256, generator=g), torch.tensor(9.5)
+    measured = slice(0, 30)
+    rounded, e = expected(exact, amax, measured)
+    assert torch.equal(rounded, qr.grid_round_rows(q, exact, amax, 0))
+    draws = torch.tensor([float((qr.grid_round_rows(q, exact, amax, s)[measured] - exact[measured]).square().sum())
+                          for s in range(1, 401)], dtype=torch.float64)
+    assert abs(e - float(draws.mean())) <= 4 * float(draws.std()) / 400 ** 0.5
+    nearest = float((rounded[measured] - exact[measured]).square().sum())
+    assert e > 1.5 * nearest
