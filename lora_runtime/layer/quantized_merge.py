@@ -9,7 +9,8 @@ Contract
 - `can_requantize(w)`: '' when the layout can re-quantize a merged weight, else why not.
 - `requantized(w, merged, seed)`: the merged fp32 weight on the layout's own grid: the layout's
   ``requantize_from_float`` with its scale recalculated (as the host's merge), and the host's
-  stochastic-rounding seed for this weight when it gives one (0: round to nearest).
+  stochastic-rounding seed for this weight when it gives one (0: round to nearest). Per-tensor fp8
+  with a seed: the same bytes and params, drawn through `fp8_rounding` where its probe holds.
 - `grid_round(w, exact, seed)`: the fp32 values that merge would leave (the rounding-loss
   measure reads them); takes every row, since a layout's scale may span the whole tensor.
 - `QuantRestore`: what a merged layer keeps to restore: the Parameter it held before.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import fp8_rounding
 from .base_weight import dequantized, quant_layout, stored_tensors
 
 
@@ -36,9 +38,14 @@ def can_requantize(w) -> str:
 def requantized(w: torch.Tensor, merged: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """`merged` (fp32, the weight's logical shape) re-quantized on `w`'s layout (see module doc)."""
     kwargs = {"scale": "recalculate"}
+    merged = merged.to(torch.float32)
+    out = None
     if seed:
         kwargs["stochastic_rounding"] = seed
-    out = w.requantize_from_float(merged.to(torch.float32), **kwargs)
+        if quant_layout(w) in fp8_rounding.FP8_LAYOUTS and len(w.shape) == 2:
+            out = fp8_rounding.requantized(w, merged, seed)
+    if out is None:
+        out = w.requantize_from_float(merged, **kwargs)
     return out.to(w.dtype) if out.dtype != w.dtype else out
 
 

@@ -45,7 +45,7 @@ import torch
 from . import fp8_rounding
 from .base_weight import dequantized, quant_layout
 
-_FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")
+_FP8_LAYOUTS = fp8_rounding.FP8_LAYOUTS
 ROW_WISE_LAYOUTS = frozenset(_FP8_LAYOUTS + (
     "TensorWiseINT8Layout", "TensorCoreMXFP8Layout", "TensorCoreNVFP4Layout",
     "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"))

@@ -37,16 +37,16 @@ def test_the_table_is_the_kitchens_rounding_for_every_half_and_every_byte(dtype)
     for k in range(256):
         byte = torch.full(h.shape, k, dtype=torch.uint8)
         got = ck.stochastic_rounding_fp8(h, byte, dtype).float()
-        want = table.draw(h.float(), byte)
+        want = table.draw(h.float(), byte).float()
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(got.isnan(), want.isnan()), k
-        ups += (got != table.low[table.index(h.float())]).int()
+        ups += (got != table.at(table.low, table.index(h.float()))).int()
     i = table.index(h.float())
-    real = ~table.low[i].isnan()
+    real = ~table.at(table.low, i).isnan()
     assert int((~real).sum()) == (10 if dtype == torch.float8_e5m2 else 0)
-    assert torch.equal(table.p_high[i][real], ups[real].float() / 256)
+    assert torch.equal(table.at(table.p_high, i)[real], ups[real].float() / 256)
     late = dataclasses.replace(table, k_min=table.k_min + 1)
     byte = 255 - (torch.arange(h.numel()) % 256).to(torch.uint8)
-    assert not torch.equal(late.draw(h.float(), byte), ck.stochastic_rounding_fp8(h, byte, dtype).float())
+    assert not torch.equal(late.draw(h.float(), byte).float(), ck.stochastic_rounding_fp8(h, byte, dtype).float())
 
 
 def test_only_a_layout_that_draws_as_the_table_predicts_is_modelled(monkeypatch):
@@ -95,3 +95,26 @@ def test_fp8_stochastic_rounding_is_measured_as_its_expectation(layout):
     assert abs(e - float(draws.mean())) <= 4 * float(draws.std()) / 400 ** 0.5
     nearest = float((rounded[measured] - exact[measured]).square().sum())
     assert e > 1.5 * nearest
+
+
+@pytest.mark.parametrize("layout", list(HOST_FP8))
+def test_a_seeded_fp8_merge_drawn_from_the_table_is_the_layouts_own(layout, monkeypatch):
+    """The merge's re-quantization with a seed, drawn through the table, is the layout's own seeded
+    `requantize_from_float`: the same bytes, scale and params, bit for bit (a merged weight of 300 x
+    256, chunks of 1/8 of it). Wrong answer: the same merge with another seed (other bytes)."""
+    from comfyui_lora_runtime.lora_runtime.layer import quantized_merge as qm
+    monkeypatch.setattr(fr, "ROWS_PER_CHUNK_ELEMENTS", 300 * 256 // 8)
+    q = _weight(layout)
+    merged = q.dequantize().float() + torch.randn(300, 256, generator=torch.Generator().manual_seed(4)) * 0.05
+    assert fr.model_for(q, 1234) is not None  # the probe (once per layout) before counting
+    drawn = []
+    real = fr._drawn
+    monkeypatch.setattr(fr, "_drawn", lambda *a: drawn.append(1) or real(*a))
+    mine = qm.requantized(q, merged, 1234)
+    assert len(drawn) == 1  # the table's path, not the layout's
+    own = q.requantize_from_float(merged, scale="recalculate", stochastic_rounding=1234)
+    assert fr._same(mine, own)
+    other = q.requantize_from_float(merged, scale="recalculate", stochastic_rounding=1235)
+    assert not fr._same(mine, other)
+    assert torch.equal(qm.requantized(q, merged, 0)._qdata.view(torch.uint8),
+                       q.requantize_from_float(merged, scale="recalculate")._qdata.view(torch.uint8))
