@@ -10,7 +10,8 @@ Contract
   from the kitchen's own function (its outcomes at k = 0 and 255, k_min by bisection: 10 calls on
   65536 values), built once per dtype and device.
 - `model_for(w, seed)`: the table where a probe merge through `w`'s own layout (64 x 64 values, its own
-  seeded draw) equals, bit for bit, the outcome the table predicts for that draw; None otherwise (an
+  seeded draw) equals, bit for bit, the outcome the table predicts for that draw (and the layout's
+  rounding to nearest, without a seed, is the plain fp8 cast of the scaled values); None otherwise (an
   unknown host rounding is never modelled: it is drawn). Checked once per layout class, dtype, device.
 - `requantized(w, merged, seed)`: the merge's own re-quantization of fp32 `merged` into `w`'s layout with
   `seed` (the same draw, the same bytes, scale and params, bit for bit), its outcomes read from the
@@ -142,7 +143,21 @@ def _checked(w, dtype, device) -> RoundingTable | None:
     if not same:
         log.debug("fp8 rounding not modelled: %s's seeded rounding is not the kitchen's byte draw",
                   w._layout_cls)
-    return table if same else None
+        return None
+    from .base_weight import dequantized
+    scale = _scale(probe.abs().amax(), dtype)
+    if not torch.equal(dequantized(w.requantize_from_float(probe, scale="recalculate")),
+                       _nearest(probe * (1.0 / scale), scale, dtype)):
+        log.debug("fp8 rounding not modelled: %s rounds to nearest otherwise", w._layout_cls)
+        return None
+    return table
+
+
+def _nearest(scaled: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values: `scaled` (values times 1 / scale) rounded to nearest fp8 and dequantized, as the
+    layout without a seed (the probe checks it)."""
+    top = torch.finfo(dtype).max
+    return scaled.clamp(-top, top).to(dtype).to(torch.float32).mul_(scale)
 
 
 def _same(a, b) -> bool:
@@ -193,13 +208,13 @@ def expected_round_rows(w, table: RoundingTable, exact: torch.Tensor, amax: torc
                         measured=slice(None)) -> tuple[torch.Tensor, float]:
     """(fp32 rows `exact` rounded to nearest on the fp8 grid of a whole merge whose largest |value| is
     `amax`; the expected sum of squared errors of the host's stochastic rounding over rows `measured`)."""
-    from .quantized_rows import grid_round_rows
     top = torch.maximum(amax.to(exact.device, torch.float32), exact.abs().amax())
     scale = _scale(top, table.dtype)
+    scaled = exact * (1.0 / scale)
     v = exact[measured]
-    i = table.index(v * (1.0 / scale))
+    i = table.index(scaled[measured])
     low = table.at(table.low, i).mul_(scale).sub_(v)
     high = table.at(table.high, i).mul_(scale).sub_(v)
     low.square_()
     e = float(low.sum()) + float((high.square_().sub_(low)).mul_(table.at(table.p_high, i)).sum())
-    return grid_round_rows(w, exact, top, 0), e
+    return _nearest(scaled, scale, table.dtype), e

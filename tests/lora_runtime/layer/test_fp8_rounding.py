@@ -49,7 +49,7 @@ def test_the_table_is_the_kitchens_rounding_for_every_half_and_every_byte(dtype)
     assert not torch.equal(late.draw(h.float(), byte).float(), ck.stochastic_rounding_fp8(h, byte, dtype).float())
 
 
-def test_only_a_layout_that_draws_as_the_table_predicts_is_modelled(monkeypatch):
+def test_only_a_layout_that_draws_as_the_table_predicts_is_modelled(monkeypatch, caplog):
     """The host's fp8 layouts (ComfyUI's: bytes from a seeded generator, the kitchen's rounding) are
     modelled; comfy-kitchen's own fp8 class (it ignores the seed: rounds to nearest), no seed, and a
     host class whose seeded rounding draws otherwise (a float draw per element) are not."""
@@ -69,11 +69,24 @@ def test_only_a_layout_that_draws_as_the_table_predicts_is_modelled(monkeypatch)
         return (x + noise * x.abs()).float().clamp(-448, 448).to(torch.float8_e4m3fn), cls.Params(
             scale=scale, orig_dtype=tensor.dtype, orig_shape=tuple(tensor.shape))
 
+    def toward_zero(cls, tensor, scale=None, stochastic_rounding=0, **kw):  # the kitchen's draw, another nearest
+        if stochastic_rounding:
+            return base.quantize.__func__(cls, tensor, scale=scale, stochastic_rounding=stochastic_rounding, **kw)
+        qdata, params = base.quantize.__func__(cls, tensor, scale=scale, **kw)
+        back = qdata.float() * params.scale
+        lower = torch.where(back.abs() > (tensor.abs() + 1e-12), qdata.view(torch.uint8) - 1, qdata.view(torch.uint8))
+        return lower.to(torch.uint8).view(qdata.dtype), params
+
     other = type("OtherFP8Layout", (base,), {"quantize": classmethod(quantize)})
+    nearest = type("TruncatingFP8Layout", (base,), {"quantize": classmethod(toward_zero)})
     monkeypatch.setitem(ck_base.LAYOUTS, "OtherFP8Layout", other)
+    monkeypatch.setitem(ck_base.LAYOUTS, "TruncatingFP8Layout", nearest)
     monkeypatch.setattr(fr, "_MODELS", {})
     q = _weight("TensorCoreFP8E4M3Layout")
     assert fr.model_for(type(q)(q._qdata, "OtherFP8Layout", q._params), 5) is None
+    with caplog.at_level("DEBUG", logger=fr.__name__):
+        assert fr.model_for(type(q)(q._qdata, "TruncatingFP8Layout", q._params), 5) is None
+    assert "rounds to nearest otherwise" in caplog.text  # its draw passed: its nearest did not
     assert fr.model_for(q, 5) is not None
 
 
