@@ -116,7 +116,7 @@ def test_a_seeded_fp8_merge_drawn_from_the_table_is_the_layouts_own(layout, monk
     `requantize_from_float`: the same bytes, scale and params, bit for bit (a merged weight of 300 x
     256, chunks of 1/8 of it). Wrong answer: the same merge with another seed (other bytes)."""
     from comfyui_lora_runtime.lora_runtime.layer import quantized_merge as qm
-    monkeypatch.setattr(fr, "ROWS_PER_CHUNK_ELEMENTS", 300 * 256 // 8)
+    monkeypatch.setattr(fr, "CHUNK_ELEMENTS", 300 * 256 // 8)
     q = _weight(layout)
     merged = q.dequantize().float() + torch.randn(300, 256, generator=torch.Generator().manual_seed(4)) * 0.05
     assert fr.model_for(q, 1234) is not None  # the probe (once per layout) before counting
