@@ -29,6 +29,8 @@ from dataclasses import replace
 
 from . import host
 from ..lora_runtime import applied, compile_watch, plan_intent, resident
+from ..lora_runtime.fusion import fusion_sites  # noqa: F401  with the pack, as the host loads its nodes: the first
+#                                                sampling would pay this import (the kernels' modules, ~25 ms)
 from ..lora_runtime.errors import LoraRuntimeError
 from ..lora_runtime.intent import Intent
 from ..lora_runtime.layer import ran_guard
