@@ -29,6 +29,8 @@ import logging
 import numpy as np
 import torch
 
+from .base_weight import dequantized, quant_layout
+
 log = logging.getLogger(__name__)
 
 FP8_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout")  # per-tensor fp8
@@ -88,23 +90,22 @@ def rounding_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ro
     h = torch.from_numpy(np.arange(PATTERNS, dtype=np.uint16).view(np.float16).copy()).to(device)
     h = torch.where(h.isfinite(), h, torch.zeros_like(h))  # never indexed: scaled values are finite
 
-    def at(k: torch.Tensor) -> torch.Tensor:
-        return rounding(h, k.to(torch.uint8), dtype).float()
+    def bytes_at(k) -> torch.Tensor:  # the stored outcomes at draw(s) k
+        k = torch.full((PATTERNS,), k, device=device) if isinstance(k, int) else k
+        return rounding(h, k.to(torch.uint8), dtype).view(torch.uint8)
 
-    low = at(torch.zeros(PATTERNS, dtype=torch.int32, device=device))
-    high = at(torch.full((PATTERNS,), 255, dtype=torch.int32, device=device))
+    low_byte, high_byte = bytes_at(0), bytes_at(255)
+    low, high = (b.view(dtype).float() for b in (low_byte, high_byte))
     lo = torch.zeros(PATTERNS, dtype=torch.int32, device=device)
     hi = torch.full((PATTERNS,), 255, dtype=torch.int32, device=device)
     moves = (high != low) & ~high.isnan()  # NaN: float16 past e5m2's range, no merge's scaled value
     while bool((lo < hi).any()):  # the first k that draws `high` (outcomes grow with k)
         mid = (lo + hi) // 2
-        up = at(mid) == high
+        up = bytes_at(mid) == high_byte
         hi = torch.where(up, mid, hi)
         lo = torch.where(up, lo, mid + 1)
     k_min = torch.where(moves, lo, torch.zeros_like(lo))
     p_high = torch.where(moves, (256 - k_min).float() / 256.0, torch.zeros_like(low))
-    low_byte, high_byte = (rounding(h, torch.full((PATTERNS,), k, dtype=torch.uint8, device=device), dtype)
-                           .view(torch.uint8) for k in (0, 255))
     table = RoundingTable(dtype, low, high, p_high, k_min.to(torch.int16), low_byte, high_byte)
     _TABLES[key] = table
     return table
@@ -117,8 +118,9 @@ def _scale(top: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.no_grad()
 def model_for(w, seed: int) -> RoundingTable | None:
-    """The rounding table, where `w`'s own layout rounds a probe exactly as it predicts (else None)."""
-    if not seed:
+    """The rounding table, where `w` is a per-tensor fp8 layout that rounds a probe exactly as it
+    predicts (else None)."""
+    if not seed or quant_layout(w) not in FP8_LAYOUTS:
         return None
     dtype, device = w._qdata.dtype, w._qdata.device
     key = (w._layout_cls if isinstance(w._layout_cls, str) else id(w._layout_cls), dtype, str(device))
@@ -139,12 +141,10 @@ def _checked(w, dtype, device) -> RoundingTable | None:
     except (TypeError, ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
         log.debug("fp8 rounding not modelled: the probe merge failed: %s", exc)
         return None
-    same = mine is not None and _same(out, mine)
-    if not same:
+    if not _same(out, mine):
         log.debug("fp8 rounding not modelled: %s's seeded rounding is not the kitchen's byte draw",
                   w._layout_cls)
         return None
-    from .base_weight import dequantized
     scale = _scale(probe.abs().amax(), dtype)
     if not torch.equal(dequantized(w.requantize_from_float(probe, scale="recalculate")),
                        _nearest(probe * (1.0 / scale), scale, dtype)):

@@ -42,8 +42,7 @@ def requantized(w: torch.Tensor, merged: torch.Tensor, seed: int = 0) -> torch.T
     out = None
     if seed:
         kwargs["stochastic_rounding"] = seed
-        if quant_layout(w) in fp8_rounding.FP8_LAYOUTS and len(w.shape) == 2:
-            out = fp8_rounding.requantized(w, merged, seed)
+        out = fp8_rounding.requantized(w, merged, seed)
     if out is None:
         out = w.requantize_from_float(merged, **kwargs)
     return out.to(w.dtype) if out.dtype != w.dtype else out

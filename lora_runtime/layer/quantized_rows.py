@@ -391,9 +391,9 @@ def expected_rounding(w, seed: int):
     """The exact expected-error model of a merge into `w` with `seed` (see the module's contract), or None."""
     if not seed or not elementwise(w):
         return None
-    if quant_layout(w) in _FP8_LAYOUTS:
-        table = fp8_rounding.model_for(w, seed)
-        return None if table is None else functools.partial(fp8_rounding.expected_round_rows, w, table)
+    table = fp8_rounding.model_for(w, seed)
+    if table is not None:
+        return functools.partial(fp8_rounding.expected_round_rows, w, table)
     if quant_layout(w) != "TensorWiseINT8Layout":
         return None
     layout = w._layout_cls

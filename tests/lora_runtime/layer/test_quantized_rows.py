@@ -171,24 +171,33 @@ def test_elements_found_from_block_maxima_are_every_byte_s(layout, cols, monkeyp
         assert lowest[0].numel() > got[0].numel()  # the wrong answer finds more
 
 
-def test_int8_stochastic_rounding_is_measured_as_its_expectation(monkeypatch):
-    """Per-tensor int8 merged with stochastic rounding: the rows left rounded to nearest on the whole
-    merge's grid (the layout's own rounding without a seed, bit for bit), and the expected squared
-    error of its stochastic rounding, against the mean of 400 of the layout's own seeded draws (to 4
-    standard errors of that mean). Wrong answer: the round-to-nearest error (about half as large)."""
+def test_int8_is_modelled_only_for_the_kitchens_own_class(monkeypatch):
+    """Per-tensor int8's stochastic rounding is modelled for comfy-kitchen's own int8 class with a seed;
+    not without a seed, not for a host's replacement class (its rounding is not known), and not for
+    comfy-kitchen's own fp8 class (it ignores seeds)."""
     q = _weight("TensorWiseINT8Layout")
     assert qr.expected_rounding(q, 5) and not qr.expected_rounding(q, 0)
-    assert qr.expected_rounding(_weight("TensorCoreFP8Layout"), 5) is None  # comfy-kitchen's fp8 class ignores seeds
+    assert qr.expected_rounding(_weight("TensorCoreFP8Layout"), 5) is None
     import comfy_kitchen.tensor as ck_tensor
     kitchen = ck_tensor.get_layout_class("TensorWiseINT8Layout")
     replaced = type("TensorWiseINT8Layout", (kitchen,), {"quantize": classmethod(lambda cls, t, **kw: None)})
-    with monkeypatch.context() as m:  # a host's own int8 class: its rounding is not known
+    with monkeypatch.context() as m:
         m.setattr(ck_tensor, "get_layout_class", lambda name: replaced)
         assert not qr.expected_rounding(q, 5)
+
+
+@pytest.mark.parametrize("layout", ["TensorWiseINT8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout"])
+def test_stochastic_rounding_is_measured_as_its_expectation(layout):
+    """Per-tensor int8 and fp8 merged with the host's stochastic rounding: the rows left rounded to
+    nearest on the whole merge's grid (the layout's own rounding without a seed, bit for bit), and the
+    expected squared error of its stochastic rounding, against the mean of 400 of the layout's own
+    seeded draws (to 4 standard errors of that mean). Wrong answer: the round-to-nearest error (about
+    half as large)."""
+    q = _weight(layout)
     g = torch.Generator().manual_seed(6)
     exact, amax = torch.randn(40, 256, generator=g), torch.tensor(9.5)
     measured = slice(0, 30)
-    rounded, e = qr.expected_round_rows(exact, amax, measured)
+    rounded, e = qr.expected_rounding(q, 5)(exact, amax, measured)
     assert torch.equal(rounded, qr.grid_round_rows(q, exact, amax, 0))
     draws = torch.tensor([float((qr.grid_round_rows(q, exact, amax, s)[measured] - exact[measured]).square().sum())
                           for s in range(1, 401)], dtype=torch.float64)
